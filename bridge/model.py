@@ -25,6 +25,7 @@ DEFAULT_RETRY_WAIT = 300  # PhabricatorWorkerLeaseQuery::getDefaultWaitBeforeRet
 MIN_YIELD_SECONDS = 5  # executeTask: max($ex->getDuration(), 5)
 MAX_NAME = 64  # varchar(64) of taskClass and leaseOwner
 MAX_UINT32 = 2**32 - 1
+MAX_UINT64 = 2**64 - 1
 
 
 class State(StrEnum):
@@ -62,9 +63,9 @@ def check_owner(owner: Any) -> str:
     return owner
 
 
-def check_seconds(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_UINT32:
-        raise ValueError(f"{name} must be an integer of at least {minimum}, got {value!r}")
+def check_seconds(name: str, value: Any, minimum: int = 0, maximum: int = MAX_UINT32) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an integer from {minimum} to {maximum}, got {value!r}")
     return value
 
 
@@ -76,12 +77,17 @@ def encode_data(data: Any) -> str:
         raise ValueError(f"task data cannot be encoded as JSON: {exc}") from None
 
 
+def _refuse_constant(name: str) -> Any:
+    # PHP's json_decode rejects NaN and Infinity; so must we.
+    raise ValueError(f"{name} is not JSON")
+
+
 def decode_data(raw: str | None) -> tuple[Any, str | None]:
     """Decode a data row; corrupt JSON is reported as an error string, never raised."""
     if raw is None:
         return None, "the task's data row is missing"
     try:
-        return json.loads(raw), None
+        return json.loads(raw, parse_constant=_refuse_constant), None
     except ValueError as exc:
         return None, f"the task's data row is not valid JSON: {exc}"
 
@@ -91,9 +97,12 @@ _owner_sequence = count(1)
 
 def new_owner(prefix: str = "bridge") -> str:
     """A lease owner unique to this call, shaped like PHP's ``pid:time:host:sequence``."""
-    host = socket.gethostname()[:20]
-    owner = f"{prefix}:{os.getpid()}:{int(time.time())}:{host}:{next(_owner_sequence)}"
-    return check_owner(owner[:MAX_NAME])
+    tail = f":{os.getpid()}:{int(time.time())}:{{host}}:{next(_owner_sequence)}"
+    room = MAX_NAME - len(prefix) - len(tail) + len("{host}")
+    if room < 1:
+        raise ValueError(f"owner prefix {prefix!r} is too long")
+    # Only the host name is cut: the pid, time and sequence keep the owner unique.
+    return check_owner(prefix + tail.format(host=socket.gethostname()[:room]))
 
 
 @dataclass(frozen=True)
@@ -115,8 +124,10 @@ class NewTask:
             check_seconds("delayUntil", self.delayUntil)
         for name in ("objectPHID", "containerPHID"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or len(value) > MAX_NAME):
-                raise ValueError(f"{name} must be a string of at most {MAX_NAME} characters")
+            if value is not None and (
+                not isinstance(value, str) or len(value.encode("utf-8")) > MAX_NAME
+            ):
+                raise ValueError(f"{name} must be a string of at most {MAX_NAME} bytes")
         return self, encode_data(self.data)
 
 
@@ -212,7 +223,7 @@ class TaskFilter:
     def constrained(self) -> bool:
         """Whether any selector is set (``bin/worker`` refuses to act on everything)."""
         return any(
-            value not in (None, False)
+            value is not None and value is not False
             for value in (
                 self.ids,
                 self.classes,

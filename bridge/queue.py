@@ -22,6 +22,7 @@ from bridge.handlers.base import FollowUp
 from bridge.model import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_RETRY_WAIT,
+    MAX_UINT64,
     MIN_YIELD_SECONDS,
     PRIORITY_DEFAULT,
     RESULT_FAILURE,
@@ -82,14 +83,18 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
 
 
 def _sqlite_begin(conn: Connection) -> None:
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+    # Writers take the write lock up front (a deferred read-then-write could lose its
+    # snapshot); readers take none and read the last committed state beside them.
+    write = conn.get_execution_options().get("bridge_write")
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
 def _task(row: Row, archived: bool = False) -> Task:
     fields = row._asdict()
-    raw = fields.pop("rawData", None)
-    data, error = decode_data(raw)
-    return Task(**fields, archived=archived, data=data, rawData=raw, dataError=error)
+    if "rawData" not in fields:
+        return Task(**fields, archived=archived)
+    data, error = decode_data(fields["rawData"])
+    return Task(**fields, archived=archived, data=data, dataError=error)
 
 
 class PhorgeQueue:
@@ -111,8 +116,10 @@ class PhorgeQueue:
         """Run ``work`` in one transaction, again after an InnoDB deadlock or lock timeout."""
         for attempt in range(1, attempts + 1):
             try:
-                with self.engine.begin() as conn:
-                    return work(conn)
+                with self.engine.connect() as conn:
+                    conn.execution_options(bridge_write=True)
+                    with conn.begin():
+                        return work(conn)
             except DBAPIError as exc:
                 code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
                 if not self._mysql or code not in _RETRYABLE_MYSQL_ERRORS or attempt == attempts:
@@ -209,10 +216,10 @@ class PhorgeQueue:
         rows = conn.execute(sql.select_expired(limit, classes, exclude_classes)).all()
         return conn.execute(sql.take_expired(rows, owner, seconds)).rowcount if rows else 0
 
-    def held(self, task_id: int, owner: str) -> Task | None:
+    def held(self, task_id: int, owner: str, with_data: bool = True) -> Task | None:
         """The task if ``owner`` still holds its lease right now (a read, no write)."""
         with self.engine.connect() as conn:
-            row = conn.execute(sql.select_held(owner, task_id)).first()
+            row = conn.execute(sql.select_held(owner, task_id, with_data)).first()
         return None if row is None else _task(row)
 
     def held_by_class(self, owner_prefix: str) -> dict[str, int]:
@@ -248,12 +255,12 @@ class PhorgeQueue:
         self, task_id: int, owner: str, duration_us: int, followups: Sequence[FollowUp] = ()
     ) -> bool:
         """Archive with result 0, then enqueue the follow-ups, in one transaction."""
-        check_seconds("duration", duration_us)
+        check_seconds("duration", duration_us, maximum=MAX_UINT64)
         checked = [
             NewTask(
                 f.taskClass,
                 f.data,
-                f.priority or PRIORITY_DEFAULT,
+                PRIORITY_DEFAULT if f.priority is None else f.priority,
                 f.objectPHID,
                 f.containerPHID,
                 f.delayUntil,
@@ -267,7 +274,10 @@ class PhorgeQueue:
                 return False
             # Follow-ups default to the parent's priority, as flushTaskQueue($defaults).
             inherited = [
-                (replace(task, priority=f.priority or row.priority), data_json)
+                (
+                    replace(task, priority=row.priority if f.priority is None else f.priority),
+                    data_json,
+                )
                 for f, (task, data_json) in zip(followups, checked, strict=True)
             ]
             self._insert_tasks(conn, inherited)
@@ -360,6 +370,8 @@ class PhorgeQueue:
         selector: TaskFilter,
         act: Callable[[Connection, Task], str],
     ) -> list[ActionResult]:
+        if not selector.constrained:
+            raise ValueError("select the tasks to act on (ids, classes, ...): refusing all tasks")
         results = []
         for task in self.list(selector):
             reason = self._transaction(lambda conn, task=task: act(conn, task))

@@ -147,14 +147,15 @@ def take_expired(rows: Iterable[tuple[int, str]], owner: str, seconds: int) -> U
     )
 
 
-def select_held(owner: str, task_id: int | None = None) -> Select:
-    """Rows ``owner`` holds right now, joined with their data and the server's clock."""
-    query = (
-        select(active, taskdata.c.data.label("rawData"), db_now().label("serverTime"))
-        .select_from(active.outerjoin(taskdata, taskdata.c.id == active.c.dataID))
-        .where(_held_by(owner))
-        .order_by(active.c.priority, active.c.id)
-    )
+def select_held(owner: str, task_id: int | None = None, with_data: bool = True) -> Select:
+    """Rows ``owner`` holds right now, with the server's clock (and their data if asked)."""
+    if with_data:
+        query = select(
+            active, taskdata.c.data.label("rawData"), db_now().label("serverTime")
+        ).select_from(active.outerjoin(taskdata, taskdata.c.id == active.c.dataID))
+    else:
+        query = select(active, db_now().label("serverTime"))
+    query = query.where(_held_by(owner)).order_by(active.c.priority, active.c.id)
     return query if task_id is None else query.where(active.c.id == task_id)
 
 

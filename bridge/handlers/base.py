@@ -41,6 +41,7 @@ class TaskContext:
     objectPHID: str | None = None
     containerPHID: str | None = None
     leaseOwner: str | None = None
+    rawData: str | None = None
     followups: list[FollowUp] = field(default_factory=list)
 
     def queue_task(

@@ -1,0 +1,51 @@
+"""``PhabricatorTestWorker`` with Phorge's test-worker semantics, natively in Python.
+
+Data keys: ``duration`` (seconds to sleep), ``doWork`` (``fail-temporary`` or
+``fail-permanent``), and the policy overrides ``getRequiredLeaseTime``,
+``getMaximumRetryCount`` and ``getWaitBeforeRetry``. The bridge adds two keys of its
+own for demos and tests: ``doWork: "yield"`` yields until the epoch ``yieldUntil`` has
+passed, and ``followups`` (a list of ``{"taskClass", "data", "priority"}``) are
+queued on success.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bridge.handlers.base import Handler, PermanentFailure, TaskContext, Yield
+
+
+def _option(task: TaskContext, key: str) -> Any:
+    return task.data.get(key) if isinstance(task.data, dict) else None
+
+
+class PhabricatorTestWorker(Handler):
+    task_classes = ("PhabricatorTestWorker",)
+
+    def required_lease(self, task: TaskContext) -> int | None:
+        return _option(task, "getRequiredLeaseTime")
+
+    def maximum_retry_count(self, task: TaskContext) -> int | None:
+        return _option(task, "getMaximumRetryCount")
+
+    def wait_before_retry(self, task: TaskContext) -> int | None:
+        return _option(task, "getWaitBeforeRetry")
+
+    def run(self, task: TaskContext) -> None:
+        duration = _option(task, "duration")
+        if duration:
+            time.sleep(float(duration))
+        match _option(task, "doWork"):
+            case "fail-temporary":
+                raise RuntimeError("Temporary failure!")
+            case "fail-permanent":
+                raise PermanentFailure("Permanent failure!")
+            case "yield" if (_option(task, "yieldUntil") or 0) > time.time():
+                raise Yield(int(_option(task, "yieldUntil") - time.time()) + 1)
+        for followup in _option(task, "followups") or ():
+            task.queue_task(
+                followup["taskClass"],
+                followup.get("data"),
+                priority=followup.get("priority"),
+            )

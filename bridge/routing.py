@@ -1,0 +1,46 @@
+"""Routing: which Celery queue serves a task class (ordered glob rules, then a default)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")
+
+
+@dataclass(frozen=True)
+class Router:
+    """Ordered ``(glob, queue)`` rules; the first rule matching a class wins."""
+
+    rules: tuple[tuple[str, str], ...]
+    default_queue: str
+
+    @classmethod
+    def parse(cls, text: str, default_queue: str) -> Router:
+        """Parse ``'PhabricatorSearchWorker=search,*Mail*=mail'``; raises ValueError."""
+        rules = []
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            pattern, sep, queue = (s.strip() for s in part.partition("="))
+            if not sep or not pattern or not QUEUE_NAME.match(queue):
+                raise ValueError(
+                    f"malformed rule {part!r}; expected 'glob=queue' with a queue name "
+                    "of letters, digits and _ . : -"
+                )
+            rules.append((pattern, queue))
+        return cls(tuple(rules), default_queue)
+
+    def queue_for(self, task_class: str) -> str:
+        for pattern, queue in self.rules:
+            if fnmatchcase(task_class, pattern):
+                return queue
+        return self.default_queue
+
+    @property
+    def queues(self) -> list[str]:
+        """Every queue a task may be routed to, in rule order, the default last."""
+        names = dict.fromkeys(queue for _, queue in self.rules)
+        names[self.default_queue] = None
+        return list(names)

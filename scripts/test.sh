@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The project's test command: installs what the tests need, starts throwaway
+# MariaDB, Redis and RabbitMQ (scripts/services.sh), runs ruff and pytest
+# (arguments go to pytest), and stops the services it started.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+services=scripts/services.sh
+python=${PYTHON:-python3}
+
+# System packages first: mysqlclient builds against libmariadb-dev.
+bash $services install
+PIP_ROOT_USER_ACTION=ignore $python -m pip install -q -e '.[test]'
+
+# Services a developer already started are reused and left running.
+if ! bash $services status; then
+    trap 'bash $services stop' EXIT
+fi
+bash $services start
+eval "$(bash $services env)"
+
+# Lint failures fail the run too, but only after the tests have had their say.
+lint=0
+$python -m ruff check . || lint=$?
+status=0
+$python -m pytest "$@" || status=$?
+((status)) || status=$lint
+exit "$status"

@@ -1,0 +1,154 @@
+"""Fixtures for real services: MariaDB, RabbitMQ and Redis started by ``scripts/test.sh``.
+
+The services' addresses come from ``BRIDGE_TEST_*`` environment variables
+(``scripts/services.sh env``). A missing variable fails the test instead of
+skipping it: a skipped test proves nothing.
+
+MariaDB isolation: each test module gets its own database ``bridge_t_<hex>``
+with Phorge's four tables (about 35 ms to create), and every test starts from
+empty tables (TRUNCATE of the four, about 6 ms), so ids and ``AUTO_INCREMENT``
+start over. Unique names keep concurrent runs on one server apart.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+
+import pytest
+import sqlalchemy as sa
+
+from bridge.schema import metadata
+
+# What Phorge runs with: strict mode, UTC; utf8mb4 like its tables.
+MYSQL_CONNECT_ARGS = {
+    "charset": "utf8mb4",
+    "init_command": "SET sql_mode='STRICT_ALL_TABLES', time_zone='+00:00'",
+}
+
+# Fixtures that reach each service, for marking tests (pytest -m "not mariadb").
+_SERVICE_MARKERS = {"mysql_url": "mariadb", "amqp_url": "rabbitmq", "redis_url": "redis"}
+
+
+def _service_url(variable: str) -> str:
+    url = os.environ.get(variable)
+    if not url:
+        pytest.fail(
+            f"{variable} is not set: run the tests with `bash scripts/test.sh`, which starts "
+            'MariaDB, RabbitMQ and Redis (or `eval "$(scripts/services.sh env)"` after '
+            "`scripts/services.sh start`)",
+            pytrace=False,
+        )
+    return url
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in _SERVICE_MARKERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
+
+@pytest.fixture(scope="session")
+def mysql_url() -> str:
+    """The MariaDB server URL, without a database."""
+    return _service_url("BRIDGE_TEST_MYSQL_URL")
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """The RabbitMQ broker URL."""
+    return _service_url("BRIDGE_TEST_AMQP_URL")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The Redis URL, without a database number."""
+    return _service_url("BRIDGE_TEST_REDIS_URL")
+
+
+@pytest.fixture(params=["rabbitmq", "redis"])
+def broker_url(request: pytest.FixtureRequest) -> str:
+    """Each real Celery broker in turn."""
+    return request.getfixturevalue("amqp_url" if request.param == "rabbitmq" else "redis_url")
+
+
+@pytest.fixture(scope="session")
+def mysql_server(mysql_url: str) -> Iterator[sa.Engine]:
+    """An engine on the server itself (no database): CREATE/DROP DATABASE, information_schema."""
+    engine = sa.create_engine(mysql_url, connect_args=MYSQL_CONNECT_ARGS, pool_pre_ping=True)
+    yield engine
+    engine.dispose()
+
+
+@contextmanager
+def _database(server: sa.Engine, *, create_tables: bool) -> Iterator[sa.Engine]:
+    name = f"bridge_t_{secrets.token_hex(6)}"
+    with server.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE `{name}`")
+    engine = sa.create_engine(
+        server.url.set(database=name), connect_args=MYSQL_CONNECT_ARGS, pool_pre_ping=True
+    )
+    try:
+        if create_tables:
+            metadata.create_all(engine)
+        yield engine
+    finally:
+        engine.dispose()
+        with server.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
+
+
+@pytest.fixture(scope="module")
+def _mysql_module_engine(mysql_server: sa.Engine) -> Iterator[sa.Engine]:
+    with _database(mysql_server, create_tables=True) as engine:
+        yield engine
+
+
+@pytest.fixture
+def mysql_engine(_mysql_module_engine: sa.Engine) -> sa.Engine:
+    """An engine on a MariaDB database holding Phorge's four tables, empty.
+
+    The database is shared by the tests of one module; ``mysql_engine.url`` (with
+    ``render_as_string(hide_password=False)``) is what to hand a subprocess.
+    """
+    with _mysql_module_engine.begin() as conn:
+        # A connection a previous test leaked would block TRUNCATE forever: fail instead.
+        conn.exec_driver_sql("SET SESSION lock_wait_timeout = 10")
+        for table in metadata.sorted_tables:
+            conn.exec_driver_sql(f"TRUNCATE TABLE `{table.name}`")
+    return _mysql_module_engine
+
+
+@pytest.fixture
+def make_mysql_database(mysql_server: sa.Engine) -> Iterator[Callable[..., sa.Engine]]:
+    """A factory of fresh MariaDB databases, dropped after the test.
+
+    ``make_mysql_database(create_tables=False)`` gives an empty database.
+    """
+    with ExitStack() as stack:
+
+        def make(*, create_tables: bool = True) -> sa.Engine:
+            return stack.enter_context(_database(mysql_server, create_tables=create_tables))
+
+        yield make
+
+
+@pytest.fixture
+def sqlite_engine(tmp_path) -> Iterator[sa.Engine]:
+    """An engine on a file-based SQLite database holding Phorge's four tables, empty."""
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'phorge.sqlite3'}")
+    metadata.create_all(engine)
+    yield engine
+    engine.dispose()
+
+
+_ENGINE_FIXTURES = {"sqlite": "sqlite_engine", "mariadb": "mysql_engine"}
+
+
+@pytest.fixture(params=["sqlite", pytest.param("mariadb", marks=pytest.mark.mariadb)])
+def engine(request: pytest.FixtureRequest) -> sa.Engine:
+    """``sqlite_engine`` and ``mysql_engine`` in turn, for behaviour that must hold on both."""
+    return request.getfixturevalue(_ENGINE_FIXTURES[request.param])

@@ -1,0 +1,274 @@
+"""bridge.model: Phorge's constants, input checks, JSON as PHP reads it, task states and
+bin/worker's selectors. No database."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bridge import model
+from bridge.model import (
+    MAX_UINT32,
+    YIELD_OWNER,
+    NewTask,
+    State,
+    Task,
+    TaskFilter,
+    check_owner,
+    check_priority,
+    check_seconds,
+    check_task_class,
+    classify,
+    decode_data,
+    encode_data,
+    new_owner,
+)
+
+NOW = 1_700_000_000
+
+
+def test_phorges_wire_constants():
+    assert (model.RESULT_SUCCESS, model.RESULT_FAILURE, model.RESULT_CANCELLED) == (0, 1, 2)
+    assert (YIELD_OWNER, model.PRIORITY_DEFAULT) == ("(yield)", 2000)
+    assert (model.DEFAULT_LEASE_SECONDS, model.DEFAULT_RETRY_WAIT) == (7200, 300)
+    assert (model.MIN_YIELD_SECONDS, model.MAX_NAME) == (5, 64)
+
+
+# -- input checks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task_class", ["PhabricatorSearchWorker", "W", "C" * 64])
+def test_task_class_accepted(task_class):
+    assert check_task_class(task_class) == task_class
+
+
+@pytest.mark.parametrize("task_class", ["", "C" * 65, None, 5, b"Worker"])
+def test_task_class_refused(task_class):
+    with pytest.raises(ValueError):
+        check_task_class(task_class)
+
+
+@pytest.mark.parametrize("priority", [1, 1000, 2000, 4000, MAX_UINT32])
+def test_priority_accepted(priority):
+    assert check_priority(priority) == priority
+
+
+@pytest.mark.parametrize("priority", [0, -1, "5", True, False, 2.0, None, MAX_UINT32 + 1])
+def test_priority_refused(priority):
+    with pytest.raises(ValueError, match="positive integer"):
+        check_priority(priority)
+
+
+@pytest.mark.parametrize("owner", ["o", "12345:1700000000:host:1", "o" * 64])
+def test_owner_accepted(owner):
+    assert check_owner(owner) == owner
+
+
+@pytest.mark.parametrize("owner", ["", "o" * 65, None, YIELD_OWNER, 7])
+def test_owner_refused(owner):
+    with pytest.raises(ValueError):
+        check_owner(owner)
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "10", None, MAX_UINT32 + 1])
+def test_seconds_refused(value):
+    with pytest.raises(ValueError):
+        check_seconds("wait", value)
+
+
+def test_seconds_minimum():
+    assert check_seconds("wait", 0) == 0
+    assert check_seconds("lease", 1, minimum=1) == 1
+    with pytest.raises(ValueError):
+        check_seconds("lease", 0, minimum=1)
+
+
+# -- JSON as PHP writes and reads it -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data, text",
+    [
+        ({"key": 7713765376809813936}, '{"key":7713765376809813936}'),
+        (2, "2"),
+        (None, "null"),
+        ([], "[]"),
+        ({"a": [1, "x", None, True]}, '{"a":[1,"x",null,true]}'),
+        ({"ü": "€"}, '{"\\u00fc":"\\u20ac"}'),
+    ],
+)
+def test_encode_data_is_compact_and_exact(data, text):
+    assert encode_data(data) == text
+    assert decode_data(text) == (data, None)
+
+
+def test_big_integers_never_pass_through_a_float():
+    key = 2**63 - 1
+    data, error = decode_data(encode_data({"key": key}))
+    assert error is None and type(data["key"]) is int and data["key"] == key
+    assert float(key) != key  # a float would have lost it
+
+
+@pytest.mark.parametrize(
+    "data", [{1, 2}, math.nan, {"x": math.inf}, [-math.inf], object(), b"bytes", {"k": {1}}]
+)
+def test_encode_data_refuses_what_json_cannot_hold(data):
+    with pytest.raises(ValueError, match="JSON"):
+        encode_data(data)
+
+
+@pytest.mark.parametrize("raw", ['{"n": ', "{'a': 1}", "NaN", "", "[1,]"])
+def test_decode_data_reports_corrupt_json(raw):
+    data, error = decode_data(raw)
+    assert data is None and "not valid JSON" in error
+
+
+def test_decode_data_reports_a_missing_data_row():
+    data, error = decode_data(None)
+    assert data is None and "missing" in error
+
+
+# -- NewTask -------------------------------------------------------------------------------
+
+
+def test_new_task_defaults_are_phorges():
+    task, text = NewTask("PhabricatorSearchWorker", {"a": 1}).validated()
+    assert (task.priority, task.delayUntil, task.objectPHID, text) == (2000, None, None, '{"a":1}')
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"taskClass": ""},
+        {"priority": 0},
+        {"data": {1}},
+        {"delayUntil": -1},
+        {"delayUntil": "tomorrow"},
+        {"objectPHID": "P" * 65},
+        {"containerPHID": b"PHID-REPO-1"},
+    ],
+)
+def test_new_task_validated_refuses_bad_fields(fields):
+    with pytest.raises(ValueError):
+        NewTask(**{"taskClass": "W", **fields}).validated()
+
+
+# -- owners --------------------------------------------------------------------------------
+
+
+def test_new_owner_is_unique_and_fits_the_column():
+    owners = {new_owner() for _ in range(1000)}
+    assert len(owners) == 1000
+    assert all(len(owner) <= 64 and owner.startswith("bridge:") for owner in owners)
+
+
+def test_new_owner_stays_unique_with_a_long_prefix_and_host(monkeypatch):
+    # BRIDGE_OWNER_PREFIX may be 24 characters; hosts and pids can be long too. The
+    # per-call sequence must survive the cut to 64 characters, or two leases share an
+    # owner and each one's final read returns the other's rows.
+    monkeypatch.setattr(model.socket, "gethostname", lambda: "h" * 40)
+    monkeypatch.setattr(model.os, "getpid", lambda: 4194304)
+    monkeypatch.setattr(model.time, "time", lambda: 1764460000.0)
+    owners = [new_owner("p" * 24) for _ in range(3)]
+    assert all(len(owner) <= 64 for owner in owners)
+    assert len(set(owners)) == 3, owners
+
+
+# -- states --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "owner, expires, failure_time, modified, state",
+    [
+        (None, None, None, NOW, State.QUEUED),
+        (None, NOW - 10, None, NOW, State.QUEUED),  # freed, or delayed until the past
+        (None, 0, None, NOW, State.QUEUED),  # retried (leaseExpires 0)
+        (None, NOW, None, NOW, State.QUEUED),  # due this second
+        (None, NOW + 10, None, NOW, State.DELAYED),
+        ("owner", NOW + 10, None, NOW, State.LEASED),
+        ("owner", NOW, None, NOW, State.EXPIRED),
+        ("owner", NOW - 10, None, NOW, State.EXPIRED),
+        ("owner", None, None, NOW, State.EXPIRED),
+        ("owner", NOW + 300, NOW, NOW, State.RETRY_WAIT),
+        ("owner", NOW - 1, NOW - 301, NOW - 301, State.EXPIRED),  # wait over: re-leasable
+        ("owner", NOW + 7000, NOW - 400, NOW - 100, State.LEASED),  # re-leased after it
+        (YIELD_OWNER, NOW + 5, None, NOW, State.YIELDED),
+        (YIELD_OWNER, NOW - 3600, None, NOW, State.EXPIRED),  # awakened
+    ],
+)
+def test_classify(owner, expires, failure_time, modified, state):
+    assert classify(owner, expires, failure_time, modified, NOW) is state
+
+
+def _task(**fields) -> Task:
+    row = {
+        "id": 7,
+        "taskClass": "PhabricatorSearchWorker",
+        "leaseOwner": None,
+        "leaseExpires": None,
+        "failureCount": 0,
+        "dataID": 3,
+        "priority": 2000,
+        "objectPHID": None,
+        "containerPHID": None,
+        "dateCreated": NOW,
+        "dateModified": NOW,
+        "serverTime": NOW,
+    }
+    return Task(**{**row, **fields})
+
+
+def test_task_state_is_judged_by_the_database_clock():
+    task = _task(leaseOwner="o", leaseExpires=NOW + 60)
+    assert task.state is State.LEASED  # whatever this host's clock says
+    assert _task(leaseOwner="o", leaseExpires=NOW + 60, serverTime=NOW + 61).state is State.EXPIRED
+    assert _task(archived=True, result=0).state is State.ARCHIVED
+    assert _task().label == "PhabricatorSearchWorker#7"
+
+
+# -- bin/worker's selectors ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"active": True, "archived": True}, "both active and archived"),
+        ({"min_failure_count": 3, "max_failure_count": 2}, "failure count"),
+        ({"min_priority": 3000, "max_priority": 2000}, "priority"),
+        ({"limit": 0}, "limit"),
+        ({"limit": -1}, "limit"),
+    ],
+)
+def test_task_filter_refusals(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TaskFilter(**fields)
+
+
+def test_task_filter_accepts_equal_bounds():
+    selector = TaskFilter(min_failure_count=2, max_failure_count=2, min_priority=5, max_priority=5)
+    assert selector.constrained
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"ids": [1]},
+        {"classes": ["W"]},
+        {"active": True},
+        {"archived": True},
+        {"containerPHIDs": ["PHID-REPO-1"]},
+        {"objectPHIDs": ["PHID-TASK-1"]},
+        {"min_failure_count": 0},
+        {"max_failure_count": 0},
+        {"min_priority": 1},
+        {"max_priority": 1},
+    ],
+)
+def test_task_filter_constrained_by_any_selector(fields):
+    assert TaskFilter(**fields).constrained
+
+
+def test_task_filter_unconstrained():
+    assert not TaskFilter().constrained
+    assert not TaskFilter(limit=5).constrained  # bin/worker: --limit alone selects nothing
