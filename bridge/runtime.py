@@ -48,7 +48,11 @@ def build_runtime(settings: Settings) -> Runtime:
         include=settings.handlers_include,
         exclude=settings.handlers_exclude,
     )
-    return Runtime(settings, PhorgeQueue.from_url(settings.database_url), registry)
+    queue = PhorgeQueue.from_url(settings.database_url)
+    if queue.engine.dialect.name == "sqlite":
+        # The embedded default starts from nothing; Phorge's MySQL tables are Phorge's.
+        queue.create_tables()
+    return Runtime(settings, queue, registry)
 
 
 _runtimes: dict[int, Runtime] = {}

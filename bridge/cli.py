@@ -1,0 +1,294 @@
+"""``phorge-bridge``: the operator's command line (demo, settings, doctor, bin/worker's actions).
+
+Workers and beat are Celery's own commands: ``celery -A bridge worker`` and
+``celery -A bridge beat``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import click
+
+from bridge.config import SETTINGS, ConfigError, Settings, load_settings
+from bridge.model import ActionResult, Task, TaskFilter
+from bridge.queue import PhorgeQueue
+
+
+def settings_or_exit() -> Settings:
+    try:
+        return load_settings()
+    except ConfigError as exc:
+        raise click.ClickException(f"configuration error: {exc}") from None
+
+
+def open_queue() -> PhorgeQueue:
+    return PhorgeQueue.from_url(settings_or_exit().database_url)
+
+
+@click.group()
+def main() -> None:
+    """Run Phorge's task queue on Celery; operate it like bin/worker."""
+
+
+@main.command()
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path),
+    default=Path(".bridge-demo"),
+    show_default=True,
+    help="Where the demo keeps its SQLite files and log.",
+)
+@click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for the tasks.")
+def demo(directory: Path, timeout: float) -> None:
+    """Run the bridge on an embedded default (SQLite + server-less broker) with sample tasks."""
+    from bridge import demo as embedded
+
+    if not embedded.run(directory.resolve(), timeout, click.echo):
+        raise click.ClickException("not every sample task was archived in time; see the log")
+
+
+@main.command("settings")
+def show_settings() -> None:
+    """Print every BRIDGE_* setting with its value here (secrets hidden), or the error."""
+    import os
+
+    settings_or_exit()
+    for setting in SETTINGS:
+        value = os.environ.get(setting.name)
+        if value and (setting.secret or ("@" in value and "://" in value)):
+            value = "(set, hidden)"
+        shown = value if value is not None else f"{setting.default} (default)"
+        click.echo(f"{setting.name}={shown}")
+
+
+def _phorge_taskmasters(queue: PhorgeQueue) -> int | None:
+    """Running PHP taskmasters per Phorge's daemon log, when it is readable from here."""
+    from sqlalchemy import text
+
+    url = queue.engine.url
+    if url.get_backend_name() == "sqlite" or not url.database or "_" not in url.database:
+        return None
+    daemon_db = url.database.rsplit("_", 1)[0] + "_daemon"
+    try:
+        with queue.engine.connect() as conn:
+            return conn.execute(
+                text(
+                    f"SELECT COUNT(*) FROM `{daemon_db}`.daemon_log WHERE status = 'run'"
+                    " AND daemon LIKE '%TaskmasterDaemon'"
+                )
+            ).scalar_one()
+    except Exception:
+        return None
+
+
+@main.command()
+def doctor() -> None:
+    """Check settings, database, tables and who else consumes the queue."""
+    settings = settings_or_exit()
+    click.echo("settings: ok")
+    queue = PhorgeQueue.from_url(settings.database_url)
+    try:
+        stats = queue.stats()
+    except Exception as exc:
+        raise click.ClickException(f"database: cannot read Phorge's queue: {exc}") from None
+    click.echo(f"database: ok (server time {stats.serverTime})")
+    from bridge.runtime import build_runtime
+
+    registry = build_runtime(settings).registry
+    classes = sorted(stats.by_class)
+    served = registry.runnable(classes)
+    click.echo(f"task classes: {len(classes)}; served by the bridge: {', '.join(served) or 'none'}")
+    left = sorted(set(classes) - set(served))
+    if left:
+        click.echo(f"left to PHP (no handler, or excluded): {', '.join(left)}")
+    masters = _phorge_taskmasters(queue)
+    if masters:
+        click.echo(
+            f"warning: {masters} PHP taskmaster(s) are running. They split the work with the "
+            "bridge, and retry Python-only classes every 5 minutes forever: set "
+            "phd.taskmasters to 0 and restart phd (docs/operations.md)."
+        )
+    elif masters is None:
+        click.echo("PHP taskmasters: unknown (Phorge's daemon log is not readable from here)")
+
+
+def selector_options(command: Callable) -> Callable:
+    """bin/worker's task selectors."""
+    options = [
+        click.option("--id", "ids", type=int, multiple=True, help="Task id (repeatable)."),
+        click.option("--class", "classes", multiple=True, help="Task class (repeatable)."),
+        click.option("--active", is_flag=True, help="Only active tasks."),
+        click.option("--archived", is_flag=True, help="Only archived tasks."),
+        click.option("--container", "containers", multiple=True, help="Container PHID."),
+        click.option("--object", "objects", multiple=True, help="Object PHID."),
+        click.option("--min-failure-count", type=int),
+        click.option("--max-failure-count", type=int),
+        click.option("--min-priority", type=int),
+        click.option("--max-priority", type=int),
+        click.option("--limit", type=int),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def make_filter(options: dict[str, Any]) -> TaskFilter:
+    try:
+        return TaskFilter(
+            ids=options.pop("ids") or None,
+            classes=options.pop("classes") or None,
+            active=options.pop("active"),
+            archived=options.pop("archived"),
+            containerPHIDs=options.pop("containers") or None,
+            objectPHIDs=options.pop("objects") or None,
+            min_failure_count=options.pop("min_failure_count"),
+            max_failure_count=options.pop("max_failure_count"),
+            min_priority=options.pop("min_priority"),
+            max_priority=options.pop("max_priority"),
+            limit=options.pop("limit"),
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def task_row(task: Task) -> dict[str, Any]:
+    row = asdict(task)
+    row["state"] = task.state.value
+    row.pop("rawData")
+    return row
+
+
+@main.command("enqueue")
+@click.argument("task_class")
+@click.argument("data", default="null")
+@click.option("--priority", type=int, help="Smaller runs first (default 2000).")
+@click.option("--delay-until", type=int, help="Epoch before which the task does not run.")
+@click.option("--object", "object_phid")
+@click.option("--container", "container_phid")
+def enqueue_task(task_class: str, data: str, **options: Any) -> None:
+    """Queue a task; DATA is its JSON payload."""
+    try:
+        payload = json.loads(data)
+        task_id = open_queue().enqueue(task_class, payload, **options)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(task_id)
+
+
+@main.command("list")
+@selector_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def list_tasks(as_json: bool, **options: Any) -> None:
+    """List tasks, active then archived, newest first."""
+    for task in open_queue().list(make_filter(options)):
+        if as_json:
+            click.echo(json.dumps(task_row(task)))
+        else:
+            click.echo(
+                f"{task.label:<40} {task.state.value:<17} priority {task.priority:<5} "
+                f"failures {task.failureCount}"
+            )
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--window", default=3600, show_default=True, help="Seconds of archive to count.")
+def stats(as_json: bool, window: int) -> None:
+    """Queue depth per class and state, as the database sees it."""
+    result = open_queue().stats(window)
+    if as_json:
+        click.echo(json.dumps(asdict(result)))
+        return
+    for task_class, states in sorted(result.by_class.items()):
+        counts = ", ".join(f"{state} {count}" for state, count in sorted(states.items()))
+        click.echo(f"{task_class}: {counts}")
+    if result.oldest_queued_age is not None:
+        click.echo(f"oldest queued task: {result.oldest_queued_age} s")
+
+
+def report(results: list[ActionResult], verb: str) -> None:
+    for result in results:
+        click.echo(f"{result.label}: {verb}" if result.done else f"{result.label}: {result.reason}")
+    click.echo(f"{sum(r.done for r in results)} task(s) {verb}.")
+
+
+def operator_action(name: str, verb: str, act: Callable[..., list[ActionResult]]):
+    """A bin/worker-style command: selectors pick the tasks, ``act`` changes them."""
+
+    def command(**options: Any) -> None:
+        selector = make_filter(options)
+        if not selector.constrained:
+            raise click.UsageError("select tasks with --id, --class, ... (see --help)")
+        try:
+            report(act(open_queue(), selector, **options), verb)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+
+    command.__name__ = name
+    command.__doc__ = act.__doc__
+    return selector_options(command)
+
+
+main.command("cancel")(operator_action("cancel", "cancelled", PhorgeQueue.cancel))
+main.command("free")(operator_action("free", "freed", PhorgeQueue.free))
+main.command("retry")(
+    click.option("--repeat", is_flag=True, help="Also repeat tasks that succeeded.")(
+        operator_action("retry", "queued for retry", PhorgeQueue.retry)
+    )
+)
+main.command("delay")(
+    click.option("--until", type=int, required=True, help="Epoch to hold the tasks until.")(
+        operator_action("delay", "delayed", PhorgeQueue.delay)
+    )
+)
+main.command("priority")(
+    click.option("--priority", type=int, required=True, help="New priority (positive).")(
+        operator_action("priority", "reprioritized", PhorgeQueue.set_priority)
+    )
+)
+
+
+@main.command()
+@click.argument("ids", type=int, nargs=-1, required=True)
+def awaken(ids: tuple[int, ...]) -> None:
+    """Bring yielded, never-failed tasks forward."""
+    click.echo(f"{open_queue().awaken(ids)} task(s) awakened.")
+
+
+@main.command("create-tables")
+def create_tables() -> None:
+    """Create Phorge's queue tables in an empty SQLite database (never needed on Phorge's)."""
+    queue = open_queue()
+    if queue.engine.dialect.name != "sqlite":
+        raise click.ClickException("refusing: Phorge's own `bin/storage upgrade` owns MySQL tables")
+    queue.create_tables()
+    click.echo("tables ready")
+
+
+@main.group()
+def phorge() -> None:
+    """Manage the Conduit extension shipped to Phorge."""
+
+
+@phorge.command("install-extension")
+@click.option("--phorge-root", type=click.Path(path_type=Path, file_okay=False), required=True)
+@click.option("--check", is_flag=True, help="Only report whether the installed copy is current.")
+def install_extension(phorge_root: Path, check: bool) -> None:
+    """Copy the worker.execute Conduit method into PHORGE_ROOT/src/extensions/."""
+    from bridge import phorge_extension
+
+    try:
+        if check:
+            status = phorge_extension.check(phorge_root)
+            click.echo(status.describe())
+            sys.exit(0 if status else 1)
+        click.echo(f"installed {phorge_extension.install(phorge_root)}")
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
