@@ -176,6 +176,9 @@ def enqueue_task(task_class: str, data: str, **options: Any) -> None:
     """Queue a task; DATA is its JSON payload."""
     try:
         payload = json.loads(data)
+    except ValueError as exc:
+        raise click.UsageError(f"DATA is not valid JSON: {exc}") from None
+    try:
         task_id = open_queue().enqueue(task_class, payload, **options)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
