@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from bridge.conduit import ConduitSettings, validate_token
 from bridge.model import check_owner
 from bridge.routing import QUEUE_NAME, Router
 
@@ -133,15 +134,7 @@ class Settings:
     task_events: bool
     metrics_port: int | None
     metrics_address: str
-    conduit_url: str
-    conduit_token: str = field(repr=False)
-    conduit_connect_timeout: float
-    conduit_read_timeout: float
-    conduit_verify_tls: bool
-
-    @property
-    def conduit_enabled(self) -> bool:
-        return bool(self.conduit_url)
+    conduit: ConduitSettings | None
 
 
 def _positive_int(name: str, raw: str) -> int:
@@ -211,30 +204,41 @@ def _max_inflight(name: str, raw: str) -> MaxInflight:
     return MaxInflight(default, per_queue)
 
 
-def _conduit(env: Mapping[str, str]) -> tuple[str, str]:
+def _conduit(env: Mapping[str, str], get: Callable[..., Any]) -> ConduitSettings | None:
+    """The Conduit proxy's settings, or None when it is off; URL and token go together."""
     url = env.get("BRIDGE_CONDUIT_URL", "").strip()
-    token = env.get("BRIDGE_CONDUIT_TOKEN", "")
-    token_file = env.get("BRIDGE_CONDUIT_TOKEN_FILE", "")
+    token, token_name = env.get("BRIDGE_CONDUIT_TOKEN", "").strip(), "BRIDGE_CONDUIT_TOKEN"
+    token_file = env.get("BRIDGE_CONDUIT_TOKEN_FILE", "").strip()
     if token and token_file:
-        raise ConfigError("BRIDGE_CONDUIT_TOKEN_FILE", "set either the token or its file, not both")
+        raise ConfigError("BRIDGE_CONDUIT_TOKEN_FILE", "set either it or BRIDGE_CONDUIT_TOKEN")
     if token_file:
+        token_name = "BRIDGE_CONDUIT_TOKEN_FILE"
         try:
-            token = Path(token_file).read_text().strip()
+            token = Path(token_file).read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise ConfigError(
-                "BRIDGE_CONDUIT_TOKEN_FILE", f"cannot read it: {exc.strerror}"
-            ) from None
-    if url:
-        _url("BRIDGE_CONDUIT_URL", url, ("http", "https"))
-        if not urlsplit(url).hostname:
-            raise ConfigError("BRIDGE_CONDUIT_URL", "the URL has no host")
-        if not token:
-            raise ConfigError(
-                "BRIDGE_CONDUIT_TOKEN",
-                "BRIDGE_CONDUIT_URL is set, so a token is required "
-                "(BRIDGE_CONDUIT_TOKEN or BRIDGE_CONDUIT_TOKEN_FILE)",
-            )
-    return url.rstrip("/"), token
+            raise ConfigError(token_name, f"cannot read {token_file}: {exc.strerror}") from None
+    if not url:
+        if token:
+            raise ConfigError("BRIDGE_CONDUIT_URL", "required when a Conduit token is configured")
+        return None
+    if not token:
+        raise ConfigError(
+            "BRIDGE_CONDUIT_TOKEN",
+            "BRIDGE_CONDUIT_URL is set, so a token (or its file) is required",
+        )
+    try:
+        return ConduitSettings(
+            url=url,
+            token=validate_token(token, token_name),
+            connect_timeout=get("BRIDGE_CONDUIT_CONNECT_TIMEOUT", _positive_float),
+            read_timeout=get("BRIDGE_CONDUIT_READ_TIMEOUT", _positive_float),
+            verify_tls=get("BRIDGE_CONDUIT_VERIFY_TLS", _boolean),
+        )
+    except ConfigError:
+        raise
+    except ValueError as exc:  # conduit's checks name the setting first: "NAME: problem"
+        name, _, problem = str(exc).partition(": ")
+        raise ConfigError(name, problem) from None
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -271,7 +275,6 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     except ValueError:
         raise ConfigError("BRIDGE_OWNER_PREFIX", "must be short (at most 24 characters)") from None
     metrics_port = env.get("BRIDGE_METRICS_PORT", "")
-    conduit_url, conduit_token = _conduit(env)
     settings = Settings(
         database_url=get("BRIDGE_DATABASE_URL", lambda n, v: _url(n, v, DATABASE_SCHEMES)),
         broker_url=get("BRIDGE_BROKER_URL", lambda n, v: _url(n, v, BROKER_SCHEMES)),
@@ -292,11 +295,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         task_events=get("BRIDGE_TASK_EVENTS", _boolean),
         metrics_port=_positive_int("BRIDGE_METRICS_PORT", metrics_port) if metrics_port else None,
         metrics_address=get("BRIDGE_METRICS_ADDRESS"),
-        conduit_url=conduit_url,
-        conduit_token=conduit_token,
-        conduit_connect_timeout=get("BRIDGE_CONDUIT_CONNECT_TIMEOUT", _positive_float),
-        conduit_read_timeout=get("BRIDGE_CONDUIT_READ_TIMEOUT", _positive_float),
-        conduit_verify_tls=get("BRIDGE_CONDUIT_VERIFY_TLS", _boolean),
+        conduit=_conduit(env, get),
     )
     if settings.retry_base > settings.retry_max:
         raise ConfigError("BRIDGE_RETRY_BASE", "must not be larger than BRIDGE_RETRY_MAX")

@@ -22,29 +22,26 @@ class Runtime:
     registry: Registry
 
 
-def conduit_proxy(settings: Settings) -> Handler | None:
-    """The handler for PHP-only classes, when Conduit is configured."""
-    if not settings.conduit_enabled:
-        return None
-    from bridge.conduit import ConduitClient, ConduitSettings
-    from bridge.handlers.conduit_proxy import ConduitProxyHandler
+def conduit_handlers(settings: Settings) -> tuple[list[Handler], Handler | None]:
+    """Handlers that need Phorge's Conduit API: the feed hook and the catch-all proxy.
 
-    client = ConduitClient.from_settings(
-        ConduitSettings(
-            url=settings.conduit_url,
-            token=settings.conduit_token,
-            connect_timeout=settings.conduit_connect_timeout,
-            read_timeout=settings.conduit_read_timeout,
-            verify_tls=settings.conduit_verify_tls,
-        )
-    )
-    return ConduitProxyHandler(client)
+    Without Conduit there are none, so those classes stay queued for PHP.
+    """
+    if settings.conduit is None:
+        return [], None
+    from bridge.conduit import ConduitClient
+    from bridge.handlers.conduit_proxy import ConduitProxyHandler
+    from bridge.handlers.feed import FeedPublisherHTTPHandler
+
+    client = ConduitClient.from_settings(settings.conduit)
+    return [FeedPublisherHTTPHandler(client)], ConduitProxyHandler(client)
 
 
 def build_runtime(settings: Settings) -> Runtime:
+    native, proxy = conduit_handlers(settings)
     registry = Registry(
-        discover(),
-        fallback=conduit_proxy(settings),
+        [*discover(), *native],
+        fallback=proxy,
         include=settings.handlers_include,
         exclude=settings.handlers_exclude,
     )

@@ -1,0 +1,329 @@
+"""Phorge Conduit client and its settings.
+
+Speaks the wire format of Phorge's own client (arcanist's ``ConduitClient``): a form POST
+to ``{base}/api/{method}`` carrying ``params`` (JSON, with the API token under
+``__conduit__``), ``output=json`` and the ``__conduit__`` hint that makes Phorge answer its
+own error pages in plain text. Failures come back typed, so callers can tell "Phorge said
+no" (:class:`ConduitError`), "fix the token" (:class:`ConduitAuthError`) and "could not
+talk to Phorge" (:class:`ConduitTransportError`) apart. The token never reaches a log line
+or an exception message: Phorge echoes a rejected token in its error text, so every text we
+surface is scrubbed of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+
+logger = logging.getLogger(__name__)
+
+ENV_URL = "BRIDGE_CONDUIT_URL"
+ENV_TOKEN = "BRIDGE_CONDUIT_TOKEN"
+ENV_TOKEN_FILE = "BRIDGE_CONDUIT_TOKEN_FILE"
+ENV_CONNECT_TIMEOUT = "BRIDGE_CONDUIT_CONNECT_TIMEOUT"
+ENV_READ_TIMEOUT = "BRIDGE_CONDUIT_READ_TIMEOUT"
+ENV_VERIFY_TLS = "BRIDGE_CONDUIT_VERIFY_TLS"
+
+DEFAULT_CONNECT_TIMEOUT = 5.0
+# A proxied worker runs inside this one HTTP request; cutting it short while PHP carries on
+# invites a second run, so the default is generous (Phorge's own daemons have no limit).
+DEFAULT_READ_TIMEOUT = 600.0
+
+# Error codes meaning "the caller's credentials are not good enough": Phorge's own
+# (PhabricatorConduitAPIController, ConduitCall) plus the one our extension raises for an
+# authenticated caller who is not an administrator.
+AUTH_ERROR_CODES = frozenset(
+    {"ERR-INVALID-AUTH", "ERR-INVALID-SESSION", "ERR-OAUTH-ACCESS", "ERR-BRIDGE-PERMISSION"}
+)
+
+# Phorge's PhabricatorConduitToken types: "api-", "cli-", "clr-" and 32 characters in all.
+_TOKEN_RE = re.compile(r"\A(?:api|cli|clr)-[A-Za-z0-9]{28}\Z")
+_METHOD_RE = re.compile(r"\A[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)+\Z")
+_JSON_SHIELD = b"for (;;);"
+_EXCERPT_CHARS = 240
+_REDACTED = "[token redacted]"
+
+
+class ConduitError(Exception):
+    """Conduit call failed; ``error_code``/``error_info`` are Phorge's, when it answered."""
+
+    def __init__(
+        self,
+        method: str,
+        message: str,
+        *,
+        error_code: str | None = None,
+        error_info: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.method = method
+        self.error_code = error_code
+        self.error_info = error_info
+
+
+class ConduitAuthError(ConduitError):
+    """Phorge refused the caller (bad, expired or unprivileged token): an operator must act."""
+
+
+class ConduitMethodNotFoundError(ConduitError):
+    """The method is not installed on that Phorge (e.g. the bridge extension is missing)."""
+
+
+class ConduitTransportError(ConduitError):
+    """No usable Conduit answer: network error, timeout, redirect, 5xx or a non-JSON body."""
+
+    def __init__(self, method: str, message: str, *, http_status: int | None = None) -> None:
+        super().__init__(method, message)
+        self.http_status = http_status
+
+
+class ConduitTimeoutError(ConduitTransportError):
+    """Connecting or waiting for the answer took longer than the configured timeout."""
+
+
+def _parse_timeout(name: str, value: float | str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def validate_base_url(url: str, name: str = ENV_URL) -> str:
+    """Return Phorge's base URI without a trailing slash, or raise ValueError naming ``name``."""
+    url = url.strip()
+    if not url:
+        raise ValueError(f"{name}: must not be empty")
+    parts = urlsplit(url)
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise ValueError(f"{name}: expected an http:// or https:// URI of Phorge, got {url!r}")
+    if parts.username or parts.password:
+        raise ValueError(f"{name}: must not carry credentials; use {ENV_TOKEN}/{ENV_TOKEN_FILE}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{name}: must not have a query or fragment, got {url!r}")
+    path = parts.path.rstrip("/")
+    if path.endswith("/api"):
+        raise ValueError(
+            f"{name}: give Phorge's base URI (e.g. https://phorge.example.com), "
+            f"not its /api/ endpoint"
+        )
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def validate_token(token: str, name: str = ENV_TOKEN) -> str:
+    """Check the shape Phorge requires of an API token; the message never repeats the token."""
+    token = token.strip()
+    if not token:
+        raise ValueError(f"{name}: must not be empty")
+    if not _TOKEN_RE.match(token):
+        raise ValueError(
+            f"{name}: not a Phorge API token (expected 32 characters starting with "
+            f"'api-', 'cli-' or 'clr-'; the value is not shown)"
+        )
+    return token
+
+
+@dataclass(frozen=True)
+class ConduitSettings:
+    """How to reach Phorge's Conduit API; validated on construction (ValueError names the
+    environment variable at fault)."""
+
+    url: str
+    token: str = field(repr=False)
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    verify_tls: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", validate_base_url(self.url))
+        object.__setattr__(self, "token", validate_token(self.token))
+        object.__setattr__(
+            self, "connect_timeout", _parse_timeout(ENV_CONNECT_TIMEOUT, self.connect_timeout)
+        )
+        object.__setattr__(
+            self, "read_timeout", _parse_timeout(ENV_READ_TIMEOUT, self.read_timeout)
+        )
+        if not isinstance(self.verify_tls, bool):
+            raise ValueError(f"{ENV_VERIFY_TLS}: expected a boolean, got {self.verify_tls!r}")
+
+
+def _body_excerpt(body: bytes) -> str:
+    """A short readable piece of a response body, for error messages (HTML reduced to text)."""
+    text = body[: 64 * 1024].decode("utf-8", errors="replace")
+    text = re.sub(r"(?is)<(script|style)\b.*?</\1\s*>", " ", text)
+    text = re.sub(r"(?s)<[^>]*>", " ", text)
+    text = " ".join(text.split())
+    if len(text) > _EXCERPT_CHARS:
+        text = text[: _EXCERPT_CHARS - 3] + "..."
+    return text or "(empty body)"
+
+
+class ConduitClient:
+    """A Conduit API client bound to one Phorge install and one API token."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        verify_tls: bool = True,
+        session: requests.Session | None = None,
+    ) -> None:
+        self.base_url = validate_base_url(base_url, "base_url")
+        self._token = validate_token(token, "token")
+        self.connect_timeout = _parse_timeout("connect_timeout", connect_timeout)
+        self.read_timeout = _parse_timeout("read_timeout", read_timeout)
+        self.verify_tls = verify_tls
+        self._session = session if session is not None else requests.Session()
+        if not verify_tls:
+            logger.warning("Conduit: TLS certificate verification is OFF for %s", self.base_url)
+        host = urlsplit(self.base_url).hostname or ""
+        if self.base_url.startswith("http://") and host not in {"localhost", "127.0.0.1", "::1"}:
+            logger.warning(
+                "Conduit: %s is plain http; the API token crosses the network unencrypted",
+                self.base_url,
+            )
+
+    @classmethod
+    def from_settings(
+        cls, settings: ConduitSettings, session: requests.Session | None = None
+    ) -> ConduitClient:
+        return cls(
+            settings.url,
+            settings.token,
+            connect_timeout=settings.connect_timeout,
+            read_timeout=settings.read_timeout,
+            verify_tls=settings.verify_tls,
+            session=session,
+        )
+
+    def __repr__(self) -> str:
+        return f"ConduitClient({self.base_url!r})"
+
+    def close(self) -> None:
+        self._session.close()
+
+    def endpoint(self, method: str) -> str:
+        return f"{self.base_url}/api/{method}"
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._token, _REDACTED) if text else text
+
+    def call(
+        self,
+        method: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        read_timeout: float | None = None,
+    ) -> Any:
+        """Call ``method`` and return its ``result``; raise a :class:`ConduitError` otherwise.
+
+        ``read_timeout`` overrides the client's for this call (a long proxied worker).
+        """
+        if not _METHOD_RE.match(method):
+            raise ValueError(f"not a Conduit method name: {method!r}")
+        payload = dict(params or {})
+        if "__conduit__" in payload:
+            raise ValueError("params must not contain '__conduit__'; the client sets it")
+        payload["__conduit__"] = {"token": self._token}
+        form = {
+            "params": json.dumps(payload, separators=(",", ":")),
+            "output": "json",
+            # Phorge's hint that a Conduit client is asking: its error pages come back as
+            # plain text instead of HTML (AphrontStandaloneHTMLResponse).
+            "__conduit__": "1",
+        }
+        url = self.endpoint(method)
+        timeout = (self.connect_timeout, read_timeout or self.read_timeout)
+        started = time.monotonic()
+        try:
+            response = self._session.post(
+                url,
+                data=form,
+                timeout=timeout,
+                verify=self.verify_tls,
+                # A redirect would either drop the POST body or re-send the token to
+                # another location: report it instead.
+                allow_redirects=False,
+                headers={"Accept": "application/json"},
+            )
+        except requests.Timeout as exc:
+            phase = "connecting to" if isinstance(exc, requests.ConnectTimeout) else "waiting for"
+            limit = timeout[0] if isinstance(exc, requests.ConnectTimeout) else timeout[1]
+            raise ConduitTimeoutError(
+                method, f"Conduit {method}: timed out {phase} {url} (after {limit:g}s)"
+            ) from None
+        except requests.RequestException as exc:
+            raise ConduitTransportError(
+                method, self._scrub(f"Conduit {method}: {url} unreachable: {exc}")
+            ) from None
+        elapsed = time.monotonic() - started
+        logger.debug("Conduit %s: HTTP %s in %.3fs", method, response.status_code, elapsed)
+        return self._parse(method, url, response)
+
+    def _parse(self, method: str, url: str, response: requests.Response) -> Any:
+        status = response.status_code
+        body = response.content
+        if 300 <= status < 400:
+            location = response.headers.get("Location", "?")
+            raise ConduitTransportError(
+                method,
+                self._scrub(
+                    f"Conduit {method}: HTTP {status} redirect from {url} to {location}; "
+                    f"point {ENV_URL} at the final address"
+                ),
+                http_status=status,
+            )
+        if status >= 500:
+            raise ConduitTransportError(
+                method,
+                self._scrub(f"Conduit {method}: HTTP {status} from {url}: {_body_excerpt(body)}"),
+                http_status=status,
+            )
+        stripped = body.lstrip()
+        if stripped.startswith(_JSON_SHIELD):
+            stripped = stripped[len(_JSON_SHIELD) :]
+        try:
+            envelope = json.loads(stripped)
+        except ValueError:
+            envelope = None
+        if not isinstance(envelope, dict) or "error_code" not in envelope:
+            raise ConduitTransportError(
+                method,
+                self._scrub(
+                    f"Conduit {method}: HTTP {status} from {url} is not a Conduit JSON "
+                    f"response: {_body_excerpt(body)}"
+                ),
+                http_status=status,
+            )
+        error_code = envelope.get("error_code")
+        if error_code is None:
+            if status != 200:
+                raise ConduitTransportError(
+                    method,
+                    f"Conduit {method}: HTTP {status} from {url} with a result envelope",
+                    http_status=status,
+                )
+            return envelope.get("result")
+        error_code = self._scrub(str(error_code))
+        error_info = self._scrub(str(envelope.get("error_info") or ""))
+        message = f"Conduit {method}: {error_code}: {error_info}".rstrip(": ")
+        if error_code in AUTH_ERROR_CODES:
+            error_class: type[ConduitError] = ConduitAuthError
+        elif error_code == "ERR-CONDUIT-CALL" and f'"{method}" does not exist' in error_info:
+            error_class = ConduitMethodNotFoundError
+        else:
+            error_class = ConduitError
+        raise error_class(method, message, error_code=error_code, error_info=error_info)

@@ -1,0 +1,122 @@
+"""Install and check the PHP extension (``worker.execute``, ``worker.feedstory``) in Phorge.
+
+Phorge includes every ``.php`` file of ``src/extensions/`` at startup, so installing is a
+file copy; "current" means the installed bytes equal the ones shipped in this package.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+EXTENSION_FILENAME = "PhorgeBridgeConduitAPIMethods.php"
+EXTENSIONS_DIR = Path("src") / "extensions"
+
+
+class PhorgeRootError(ValueError):
+    """The given directory is not a Phorge checkout."""
+
+
+class ExtensionState(enum.Enum):
+    CURRENT = "current"
+    MISSING = "missing"
+    OUTDATED = "outdated"
+
+
+@dataclass(frozen=True)
+class ExtensionStatus:
+    """Whether the installed copy is the one this package ships; truthy only when current."""
+
+    state: ExtensionState
+    path: Path
+    shipped_sha256: str
+    installed_sha256: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.state is ExtensionState.CURRENT
+
+    def describe(self) -> str:
+        if self.state is ExtensionState.CURRENT:
+            return f"{self.path}: current"
+        if self.state is ExtensionState.MISSING:
+            return f"{self.path}: not installed"
+        return (
+            f"{self.path}: outdated (installed sha256 {self.installed_sha256}, "
+            f"shipped {self.shipped_sha256}); run install-extension again"
+        )
+
+
+def shipped_source() -> bytes:
+    """The extension's PHP source as shipped in this package (package data)."""
+    return resources.files("bridge").joinpath("phorge", EXTENSION_FILENAME).read_bytes()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def validate_phorge_root(phorge_root: Path) -> Path:
+    """Return the resolved root, or raise PhorgeRootError saying what is missing."""
+    root = Path(phorge_root).expanduser()
+    if not root.is_dir():
+        raise PhorgeRootError(f"{root}: not a directory")
+    root = root.resolve()
+    expected = [
+        root / "bin",
+        root / "src",
+        root / "src" / "__phutil_library_map__.php",
+        root / "src" / "infrastructure" / "daemon" / "workers" / "PhabricatorWorker.php",
+    ]
+    missing = [str(p.relative_to(root)) for p in expected if not p.exists()]
+    if missing:
+        raise PhorgeRootError(
+            f"{root} does not look like a Phorge checkout (missing: {', '.join(missing)})"
+        )
+    return root
+
+
+def installed_path(phorge_root: Path) -> Path:
+    return Path(phorge_root) / EXTENSIONS_DIR / EXTENSION_FILENAME
+
+
+def install(phorge_root: Path) -> Path:
+    """Copy the extension into ``<phorge_root>/src/extensions/``; return the installed path.
+
+    The file is written next to its destination and renamed over it, so a Phorge process
+    starting meanwhile includes either the old file or the new one, never half of one.
+    """
+    root = validate_phorge_root(phorge_root)
+    target_dir = root / EXTENSIONS_DIR
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / EXTENSION_FILENAME
+    source = shipped_source()
+    fd, tmp_name = tempfile.mkstemp(prefix=".phorge-bridge-", suffix=".tmp", dir=target_dir)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(source)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp_name, 0o644)
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def check(phorge_root: Path) -> ExtensionStatus:
+    """Report whether ``phorge_root`` has the current extension installed."""
+    root = validate_phorge_root(phorge_root)
+    target = installed_path(root)
+    shipped = _sha256(shipped_source())
+    try:
+        installed = _sha256(target.read_bytes())
+    except FileNotFoundError:
+        return ExtensionStatus(ExtensionState.MISSING, target, shipped)
+    state = ExtensionState.CURRENT if installed == shipped else ExtensionState.OUTDATED
+    return ExtensionStatus(state, target, shipped, installed)

@@ -1,0 +1,464 @@
+"""The extension inside a real Phorge, over real HTTP: runs only when PHORGE_ROOT is set.
+
+PHORGE_ROOT must be a Phorge checkout (with arcanist beside it) whose database is set up
+(``bin/storage upgrade``); its PHP taskmasters should be stopped, as in production with the
+bridge. The tests install the extension into that checkout, create two accounts through
+Phorge's own classes (``bridgetestadmin``, an administrator, and ``bridgetestuser``) with
+API tokens, and call Phorge at PHORGE_URL, or else at ``phabricator.base-uri`` through a
+``php -S`` server they start when that URI is on this machine. They create a Maniphest
+task to get real queue rows, and cancel the rows they created when done.
+
+    PHORGE_ROOT=/srv/phorge python -m pytest tests/integration/test_conduit_phorge.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+from bridge.conduit import ConduitAuthError, ConduitClient
+from bridge.handlers.base import PermanentFailure, TaskContext, TemporaryFailure
+from bridge.handlers.conduit_proxy import ConduitProxyHandler
+from bridge.handlers.feed import FeedPublisherHTTPHandler, http_build_query
+from bridge.phorge_extension import check, install
+
+PHORGE_ROOT = os.environ.get("PHORGE_ROOT")
+
+pytestmark = pytest.mark.skipif(
+    not PHORGE_ROOT, reason="PHORGE_ROOT (a Phorge checkout with a database) is not set"
+)
+
+# Runs inside Phorge (scripts/init/init-script.php): the test's window on Phorge's side.
+HELPER = r"""<?php
+$root = $argv[1];
+$command = $argv[2];
+require_once $root.'/scripts/init/init-script.php';
+$viewer = PhabricatorUser::getOmnipotentUser();
+
+function bridge_test_rows($min_id) {
+  $task = new PhabricatorWorkerActiveTask();
+  $data = new PhabricatorWorkerTaskData();
+  $conn = $task->establishConnection('r');
+  return queryfx_all(
+    $conn,
+    'SELECT t.id, t.taskClass, t.failureCount, t.priority, t.objectPHID,
+        t.containerPHID, t.leaseOwner, d.data FROM %T t JOIN %T d ON d.id = t.dataID
+      WHERE t.id > %d ORDER BY t.id',
+    $task->getTableName(),
+    $data->getTableName(),
+    $min_id);
+}
+
+switch ($command) {
+  case 'users':
+    $tokens = array();
+    foreach (array('bridgetestadmin' => 1, 'bridgetestuser' => 0) as $name => $admin) {
+      $user = id(new PhabricatorPeopleQuery())
+        ->setViewer($viewer)
+        ->withUsernames(array($name))
+        ->executeOne();
+      if (!$user) {
+        $user = id(new PhabricatorUser())
+          ->setUsername($name)
+          ->setRealName($name)
+          ->setIsApproved(1)
+          ->setIsAdmin($admin);
+        $email = id(new PhabricatorUserEmail())
+          ->setAddress($name.'@example.com')
+          ->setIsVerified(1);
+        id(new PhabricatorUserEditor())
+          ->setActor($viewer)
+          ->createNewUser($user, $email);
+      }
+      $token = id(new PhabricatorConduitTokenQuery())
+        ->setViewer($viewer)
+        ->withObjectPHIDs(array($user->getPHID()))
+        ->withTokenTypes(array(PhabricatorConduitToken::TYPE_STANDARD))
+        ->withExpired(false)
+        ->setLimit(1)
+        ->executeOne();
+      if (!$token) {
+        $token = PhabricatorConduitToken::initializeNewToken(
+          $user->getPHID(),
+          PhabricatorConduitToken::TYPE_STANDARD);
+        $token->save();
+      }
+      $tokens[$name] = $token->getToken();
+    }
+    echo json_encode($tokens);
+    break;
+  case 'env':
+    echo json_encode(array(
+      'baseURI' => PhabricatorEnv::getEnvConfig('phabricator.base-uri'),
+      'hooks' => PhabricatorEnv::getEnvConfig('feed.http-hooks'),
+      'silent' => PhabricatorEnv::getEnvConfig('phabricator.silent'),
+    ));
+    break;
+  case 'maxid':
+    $task = new PhabricatorWorkerActiveTask();
+    $row = queryfx_one(
+      $task->establishConnection('r'),
+      'SELECT MAX(id) AS m FROM %T',
+      $task->getTableName());
+    echo json_encode((int)$row['m']);
+    break;
+  case 'rows':
+    echo json_encode(bridge_test_rows((int)$argv[3]));
+    break;
+  case 'cancel':
+    foreach (array_slice($argv, 3) as $id) {
+      $task = id(new PhabricatorWorkerActiveTask())->load((int)$id);
+      if ($task && !$task->getLeaseOwner()) {
+        $task->archiveTask(PhabricatorWorkerArchiveTask::RESULT_CANCELLED, 0);
+      }
+    }
+    break;
+  case 'body':
+    // What FeedPublisherHTTPWorker::doWork() would POST for this story.
+    $story = id(new PhabricatorFeedQuery())
+      ->setViewer($viewer)
+      ->withChronologicalKeys(array($argv[3]))
+      ->executeOne();
+    $data = $story->getStoryData();
+    echo http_build_query(
+      array(
+        'storyID' => $data->getID(),
+        'storyType' => $data->getStoryType(),
+        'storyData' => $data->getStoryData(),
+        'storyAuthorPHID' => $data->getAuthorPHID(),
+        'storyText' => $story->renderText(),
+        'epoch' => $data->getEpoch(),
+      ),
+      '',
+      '&');
+    break;
+}
+"""
+
+# What a web server's rewrite rule does for Phorge, for ``php -S``.
+ROUTER = r"""<?php
+$path = parse_url($_SERVER['REQUEST_URI'], PHP_URL_PATH);
+$_GET['__path__'] = $path;
+$_REQUEST['__path__'] = $path;
+// Cluster mode insists on it; php -S does not set it.
+if (!isset($_SERVER['SERVER_ADDR'])) {
+  $_SERVER['SERVER_ADDR'] = '127.0.0.1';
+}
+require getenv('PHORGE_WEBROOT').'/index.php';
+"""
+
+
+class Phorge:
+    """The Phorge under test: its helper script and its HTTP address."""
+
+    def __init__(self, root: Path, helper: Path) -> None:
+        self.root = root
+        self.helper = helper
+        self.url = ""
+
+    def php(self, *args: str) -> Any:
+        php = shutil.which("php")
+        if php is None:
+            pytest.fail("php is not installed")
+        completed = subprocess.run(
+            [php, str(self.helper), str(self.root), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert completed.returncode == 0, completed.stdout + completed.stderr
+        return json.loads(completed.stdout) if completed.stdout.strip() else None
+
+    def rows(self, after: int) -> list[dict[str, Any]]:
+        return self.php("rows", str(after))
+
+    def client(self, token: str) -> ConduitClient:
+        return ConduitClient(self.url, token, read_timeout=120)
+
+
+def _wait_for_port(host: str, port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            sock.settimeout(0.2)
+            if sock.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.1)
+    pytest.fail(f"php -S did not listen on {host}:{port}")
+
+
+@pytest.fixture(scope="module")
+def phorge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phorge]:
+    root = Path(PHORGE_ROOT or "").resolve()
+    install(root)
+    assert check(root), "installed extension is not current"
+    work = tmp_path_factory.mktemp("phorge")
+    helper = work / "helper.php"
+    helper.write_text(HELPER)
+    instance = Phorge(root, helper)
+    env = instance.php("env")
+    server = None
+    url = os.environ.get("PHORGE_URL") or env["baseURI"]
+    instance.url = url.rstrip("/")
+    if not os.environ.get("PHORGE_URL"):
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or 80
+        if host not in {"127.0.0.1", "localhost"}:
+            pytest.fail(f"set PHORGE_URL: phabricator.base-uri {url} is not on this machine")
+        router = work / "router.php"
+        router.write_text(ROUTER)
+        log = (work / "php-server.log").open("wb")
+        server = subprocess.Popen(
+            ["php", "-S", f"{host}:{port}", "-t", str(root / "webroot"), str(router)],
+            env={**os.environ, "PHORGE_WEBROOT": str(root / "webroot")},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        _wait_for_port(host, port)
+    try:
+        yield instance
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait(10)
+
+
+@pytest.fixture(scope="module")
+def tokens(phorge: Phorge) -> dict[str, str]:
+    return phorge.php("users")
+
+
+def proxy_task(row: dict[str, Any]) -> TaskContext:
+    return TaskContext(
+        id=int(row["id"]),
+        taskClass=row["taskClass"],
+        data=json.loads(row["data"]),
+        failureCount=int(row["failureCount"]),
+        priority=int(row["priority"]),
+        objectPHID=row["objectPHID"],
+        containerPHID=row["containerPHID"],
+        rawData=row["data"],
+    )
+
+
+def execute_params(**overrides: Any) -> dict[str, Any]:
+    params = {
+        "taskID": 1,
+        "taskClass": "PhabricatorTestWorker",
+        "data": "{}",
+        "failureCount": 0,
+        "priority": 2000,
+        "objectPHID": None,
+        "containerPHID": None,
+    }
+    params.update(overrides)
+    return params
+
+
+# -- who may call ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["worker.execute", "worker.feedstory"])
+def test_anonymous_calls_are_refused(phorge: Phorge, method: str) -> None:
+    params = execute_params() if method == "worker.execute" else {"key": "1"}
+    response = requests.post(
+        f"{phorge.url}/api/{method}",
+        data={"params": json.dumps(params), "output": "json"},
+        timeout=60,
+    )
+    envelope = response.json()
+    assert envelope["result"] is None
+    assert envelope["error_code"] in {"ERR-INVALID-SESSION", "ERR-INVALID-AUTH"}
+
+
+@pytest.mark.parametrize("method", ["worker.execute", "worker.feedstory"])
+def test_non_admin_token_is_refused(phorge: Phorge, tokens: dict[str, str], method: str) -> None:
+    params = execute_params() if method == "worker.execute" else {"key": "1"}
+    with pytest.raises(ConduitAuthError) as info:
+        phorge.client(tokens["bridgetestuser"]).call(method, params)
+    assert info.value.error_code == "ERR-BRIDGE-PERMISSION"
+    assert "not an administrator" in (info.value.error_info or "")
+
+
+def test_invalid_token_is_refused(phorge: Phorge) -> None:
+    with pytest.raises(ConduitAuthError) as info:
+        phorge.client("api-" + "0" * 28).call("worker.execute", execute_params())
+    assert info.value.error_code == "ERR-INVALID-AUTH"
+
+
+# -- what the admin gets -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "failure_count", "expected"),
+    [
+        ("{}", 0, {"result": "success"}),
+        (
+            '{"doWork":"fail-temporary","getWaitBeforeRetry":17}',
+            0,
+            {"result": "failure", "retryWait": 17, "message": "Exception: Temporary failure!"},
+        ),
+        ('{"doWork":"fail-temporary"}', 3, {"result": "failure", "retryWait": 300}),
+        ('{"doWork":"fail-permanent"}', 0, {"result": "permanent-failure"}),
+        ('{"getMaximumRetryCount":3}', 3, {"result": "success"}),
+        ('{"getMaximumRetryCount":3}', 4, {"result": "permanent-failure"}),
+        ('{"getRequiredLeaseTime":9000}', 0, {"result": "success", "requiredLease": 9000}),
+    ],
+)
+def test_test_worker_outcomes(
+    phorge: Phorge,
+    tokens: dict[str, str],
+    data: str,
+    failure_count: int,
+    expected: dict[str, Any],
+) -> None:
+    result = phorge.client(tokens["bridgetestadmin"]).call(
+        "worker.execute", execute_params(data=data, failureCount=failure_count)
+    )
+    assert {key: result[key] for key in expected} == expected
+    assert result["followups"] == []
+
+
+@pytest.mark.parametrize(
+    ("task_class", "message"),
+    [
+        ("BridgeTestNoSuchWorker", "does not exist"),
+        ("PhabricatorUser", "does not extend PhabricatorWorker"),
+        ("FeedPushWorker", "is abstract"),
+        ("../etc/passwd", "not a valid class name"),
+    ],
+)
+def test_classes_that_cannot_run_fail_permanently(
+    phorge: Phorge, tokens: dict[str, str], task_class: str, message: str
+) -> None:
+    handler = ConduitProxyHandler(phorge.client(tokens["bridgetestadmin"]))
+    task = TaskContext(
+        id=1, taskClass=task_class, data={}, failureCount=0, priority=2000, rawData="{}"
+    )
+    with pytest.raises(PermanentFailure, match=message):
+        handler.run(task)
+
+
+def test_proxy_does_not_touch_the_queue(phorge: Phorge, tokens: dict[str, str]) -> None:
+    before = phorge.rows(0)
+    handler = ConduitProxyHandler(phorge.client(tokens["bridgetestadmin"]))
+    task = TaskContext(
+        id=10**9, taskClass="PhabricatorTestWorker", data={}, failureCount=0, priority=1,
+        rawData='{"doWork":"fail-temporary","getWaitBeforeRetry":5}',
+    )  # fmt: skip
+    with pytest.raises(TemporaryFailure) as info:
+        handler.run(task)
+    assert info.value.wait == 5
+    assert phorge.rows(0) == before
+
+
+# -- Phorge's own task classes, end to end ------------------------------------------------------
+
+
+def test_real_feed_publication(phorge: Phorge, tokens: dict[str, str]) -> None:
+    """Create a task in Maniphest, run the publish and feed workers through the proxy, and
+    check the feed hook body against PHP's own http_build_query."""
+    admin = phorge.client(tokens["bridgetestadmin"])
+    proxy = ConduitProxyHandler(admin)
+    start = phorge.php("maxid")
+    created: list[int] = []
+    try:
+        edit = admin.call(
+            "maniphest.edit",
+            {
+                "transactions": [
+                    {"type": "title", "value": "bridge test ~ & ü 100% [x]"},
+                    {"type": "description", "value": "hello *world*"},
+                ]
+            },
+        )
+        phid = edit["object"]["phid"]
+        rows = phorge.rows(start)
+        created += [int(r["id"]) for r in rows]
+        (publish,) = [
+            r
+            for r in rows
+            if r["taskClass"] == "PhabricatorApplicationTransactionPublishWorker"
+            and r["objectPHID"] == phid
+        ]
+        proxy.run(proxy_task(publish))
+
+        rows = phorge.rows(int(publish["id"]))
+        created += [int(r["id"]) for r in rows]
+        (feed,) = [r for r in rows if r["taskClass"] == "FeedPublisherWorker"]
+        feed_task = proxy_task(feed)
+        proxy.run(feed_task)
+        key = str(json.loads(feed["data"])["key"])
+        env = phorge.php("env")
+        hook_followups = [
+            f for f in feed_task.followups if f.taskClass == "FeedPublisherHTTPWorker"
+        ]
+        assert [f.data for f in hook_followups] == [
+            {"key": key, "uri": uri} for uri in env["hooks"]
+        ]
+        assert all(f.priority == int(feed["priority"]) for f in hook_followups)
+
+        info = admin.call("worker.feedstory", {"key": key})
+        assert info["key"] == key
+        assert info["hookURIs"] == env["hooks"]
+        assert info["story"]["storyAuthorPHID"].startswith("PHID-USER-")
+        fields = {
+            name: info["story"][name]
+            for name in (
+                "storyID", "storyType", "storyData", "storyAuthorPHID", "storyText", "epoch",
+            )
+        }  # fmt: skip
+        expected = subprocess.run(
+            ["php", str(phorge.helper), str(phorge.root), "body", key],
+            capture_output=True,
+            check=True,
+            timeout=120,
+        ).stdout.decode()
+        assert http_build_query(fields) == expected
+        if not env["silent"]:
+            _deliver_to_local_hook(admin, key, expected)
+    finally:
+        leftovers = [str(i) for i in created if i]
+        if leftovers:
+            phorge.php("cancel", *leftovers)
+
+
+def _deliver_to_local_hook(admin: ConduitClient, key: str, expected_body: str) -> None:
+    """Deliver the real story to a local receiver (added to the allow-list Phorge returned)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_conduit_fakes import FakeServer, Reply
+
+    with FakeServer(lambda request: Reply(200, b"ok")) as receiver:
+        uri = receiver.url + "/hook"
+
+        class LocalHooks:
+            base_url = admin.base_url
+
+            def call(self, method: str, params: Any = None, **kwargs: Any) -> Any:
+                result = admin.call(method, params, **kwargs)
+                result["hookURIs"] = [*result["hookURIs"], uri]
+                return result
+
+        task = TaskContext(
+            id=1,
+            taskClass="FeedPublisherHTTPWorker",
+            data={"key": key, "uri": uri},
+            failureCount=0,
+            priority=2000,
+        )
+        FeedPublisherHTTPHandler(LocalHooks()).run(task)  # type: ignore[arg-type]
+    (request,) = receiver.requests
+    assert request.body == expected_body.encode()

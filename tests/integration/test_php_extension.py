@@ -1,0 +1,200 @@
+"""The shipped PHP extension: it parses (``php -l``), stays within Phorge's PHP 7.2, and
+``install``/``check`` put it into a Phorge checkout and tell whether it is current.
+
+php-cli is installed by the test script; when it is missing these tests fail, not skip.
+Behaviour inside a real Phorge is covered by ``test_conduit_phorge.py`` (needs PHORGE_ROOT).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from bridge import phorge_extension
+from bridge.phorge_extension import (
+    EXTENSION_FILENAME,
+    ExtensionState,
+    PhorgeRootError,
+    check,
+    install,
+    shipped_source,
+)
+
+
+def php_binary() -> str:
+    php = shutil.which("php")
+    if php is None:
+        pytest.fail("php is not installed (apt-get install -y php-cli): the extension is untested")
+    return php
+
+
+def shipped_php_files() -> list[Path]:
+    directory = resources.files("bridge").joinpath("phorge")
+    files = [Path(str(entry)) for entry in directory.iterdir() if entry.name.endswith(".php")]
+    assert files, "no PHP file shipped in bridge/phorge"
+    return files
+
+
+def test_shipped_files_are_the_installed_one() -> None:
+    assert [p.name for p in shipped_php_files()] == [EXTENSION_FILENAME]
+
+
+@pytest.mark.parametrize("path", shipped_php_files(), ids=lambda p: p.name)
+def test_php_lint(path: Path) -> None:
+    completed = subprocess.run(
+        [php_binary(), "-n", "-l", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "No syntax errors detected" in completed.stdout
+
+
+# Syntax and functions newer than PHP 7.2.25, Phorge's minimum: Phorge includes extension
+# files on every request, so one of these would take the whole install down.
+TOO_NEW_TOKENS = [
+    "T_FN",
+    "T_COALESCE_EQUAL",
+    "T_NULLSAFE_OBJECT_OPERATOR",
+    "T_MATCH",
+    "T_ATTRIBUTE",
+    "T_ENUM",
+    "T_READONLY",
+    "T_NAME_QUALIFIED",
+]
+TOO_NEW_FUNCTIONS = [
+    "str_contains",
+    "str_starts_with",
+    "str_ends_with",
+    "array_key_first",
+    "array_key_last",
+    "is_countable",
+    "get_debug_type",
+    "array_is_list",
+    "fdiv",
+]
+TOKEN_SCAN = r"""
+$found = array();
+$too_new = json_decode($argv[2], true);
+$functions = array_flip(json_decode($argv[3], true));
+foreach (token_get_all(file_get_contents($argv[1])) as $token) {
+  if (!is_array($token)) { continue; }
+  $name = token_name($token[0]);
+  if (in_array($name, $too_new, true)) { $found[] = $name.' on line '.$token[2]; }
+  if ($name === 'T_STRING' && isset($functions[strtolower($token[1])])) {
+    $found[] = $token[1].'() on line '.$token[2];
+  }
+}
+echo json_encode($found);
+"""
+
+
+@pytest.mark.parametrize("path", shipped_php_files(), ids=lambda p: p.name)
+def test_php_72_compatible(path: Path) -> None:
+    completed = subprocess.run(
+        [
+            php_binary(),
+            "-r",
+            TOKEN_SCAN,
+            "--",
+            str(path),
+            json.dumps(TOO_NEW_TOKENS),
+            json.dumps(TOO_NEW_FUNCTIONS),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert json.loads(completed.stdout) == []
+    source = path.read_text()
+    # Typed properties (7.4) and union/mixed types (8.0) in declarations.
+    assert " private ?" not in source and " protected ?" not in source
+    assert "mixed $" not in source
+
+
+def test_the_methods_are_admin_only_by_construction() -> None:
+    """A cheap guard on the security-relevant declarations (real checks need Phorge)."""
+    source = shipped_source().decode()
+    for declaration in (
+        "final public function shouldRequireAuthentication() {\n    return true;",
+        "final public function shouldAllowPublic() {\n    return false;",
+        "final public function getRequiredScope() {\n    return self::SCOPE_NEVER;",
+        "final protected function execute(ConduitAPIRequest $request) {\n"
+        "    $this->requireBridgeCaller($request);",
+    ):
+        assert declaration in source
+    assert source.count("extends PhorgeBridgeConduitAPIMethod") == 2
+    assert source.count("extends ConduitAPIMethod") == 1
+
+
+# -- install / check ---------------------------------------------------------------------------
+
+
+def fake_phorge(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    workers = root / "src" / "infrastructure" / "daemon" / "workers"
+    workers.mkdir(parents=True)
+    (workers / "PhabricatorWorker.php").write_text("<?php\n")
+    (root / "src" / "__phutil_library_map__.php").write_text("<?php\n")
+    return root
+
+
+def test_install_then_check(tmp_path: Path) -> None:
+    root = fake_phorge(tmp_path / "phorge")
+    status = check(root)
+    assert status.state is ExtensionState.MISSING and not status
+    assert "not installed" in status.describe()
+
+    installed = install(root)
+    assert installed == root.resolve() / "src" / "extensions" / EXTENSION_FILENAME
+    assert installed.read_bytes() == shipped_source()
+    assert installed.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in installed.parent.iterdir()] == [EXTENSION_FILENAME]
+    status = check(root)
+    assert status.state is ExtensionState.CURRENT and status
+    assert status.installed_sha256 == status.shipped_sha256
+
+    installed.write_text(installed.read_text().replace("worker.execute", "worker.old"))
+    status = check(root)
+    assert status.state is ExtensionState.OUTDATED and not status
+    assert "outdated" in status.describe()
+
+    install(root)  # an upgrade overwrites
+    assert check(root)
+
+
+def test_install_keeps_phorges_readme(tmp_path: Path) -> None:
+    root = fake_phorge(tmp_path / "phorge")
+    extensions = root / "src" / "extensions"
+    extensions.mkdir()
+    (extensions / "README").write_text("Phorge's own file\n")
+    install(root)
+    assert sorted(p.name for p in extensions.iterdir()) == sorted(["README", EXTENSION_FILENAME])
+
+
+def test_root_must_look_like_phorge(tmp_path: Path) -> None:
+    with pytest.raises(PhorgeRootError, match="not a directory"):
+        install(tmp_path / "nothing")
+    (tmp_path / "src").mkdir()
+    with pytest.raises(PhorgeRootError, match="does not look like a Phorge checkout") as info:
+        check(tmp_path)
+    assert "bin" in str(info.value) and "__phutil_library_map__.php" in str(info.value)
+    assert not (tmp_path / "src" / "extensions").exists()
+
+
+def test_failed_install_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = fake_phorge(tmp_path / "phorge")
+
+    def broken_replace(src: str, dst: Path) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(phorge_extension.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        install(root)
+    assert list((root / "src" / "extensions").iterdir()) == []

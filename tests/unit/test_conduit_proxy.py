@@ -1,0 +1,248 @@
+"""ConduitProxyHandler against a real local HTTP server playing Phorge's worker.execute."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+
+from bridge.conduit import ConduitClient
+from bridge.handlers.base import FollowUp, PermanentFailure, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.conduit_proxy import (
+    PHORGE_REQUIRED_LEASES,
+    ConduitProxyHandler,
+    apply_result,
+    execute_params,
+)
+
+try:  # tests/unit as a package or as a plain directory on sys.path
+    from .test_conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
+except ImportError:
+    from test_conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
+
+RAW = '{"key":7713765376809813936,"uri":"https:\\/\\/hooks.example\\/x","n":[]}'
+
+
+def make_task(**fields: Any) -> TaskContext:
+    values: dict[str, Any] = {
+        "id": 42,
+        "taskClass": "PhabricatorSearchWorker",
+        "data": json.loads(RAW),
+        "failureCount": 2,
+        "priority": 3500,
+        "objectPHID": "PHID-TASK-abc",
+        "containerPHID": None,
+        "leaseOwner": "1:2:host:3",
+        "rawData": RAW,
+    }
+    values.update(fields)
+    return TaskContext(**values)
+
+
+def outcome(result: dict[str, Any]) -> dict[str, Any]:
+    base = {
+        "result": None,
+        "duration": 0,
+        "followups": [],
+        "yieldDuration": None,
+        "retryWait": None,
+        "message": None,
+        "requiredLease": None,
+        "maximumRetryCount": None,
+        "warnings": [],
+    }
+    return {**base, **result}
+
+
+def run_against(reply: Reply, task: TaskContext | None = None, **client_kwargs: Any):
+    """Run the proxy for one task against a server answering ``reply``; return both."""
+    task = task or make_task()
+    with FakeServer(lambda request: reply) as server:
+        handler = ConduitProxyHandler(ConduitClient(server.url, TOKEN, **client_kwargs))
+        try:
+            handler.run(task)
+            error = None
+        except Exception as exc:
+            error = exc
+    return task, server, error
+
+
+def test_request_parameters() -> None:
+    _, server, error = run_against(conduit_result(outcome({"result": "success"})))
+    assert error is None
+    (request,) = server.requests
+    assert request.path == "/api/worker.execute"
+    params = request.params
+    assert params.pop("__conduit__") == {"token": TOKEN}
+    assert params == {
+        "taskID": 42,
+        "taskClass": "PhabricatorSearchWorker",
+        "data": RAW,  # the stored string, byte for byte
+        "failureCount": 2,
+        "priority": 3500,
+        "objectPHID": "PHID-TASK-abc",
+        "containerPHID": None,
+    }
+
+
+def test_data_fallback_without_raw_string() -> None:
+    task = make_task(rawData=None, data={"key": 7713765376809813936})
+    assert json.loads(execute_params(task)["data"]) == {"key": 7713765376809813936}
+    assert execute_params(make_task(rawData=None, data=2))["data"] == "2"
+
+
+def test_success_queues_followups() -> None:
+    followups = [
+        {
+            "taskClass": "FeedPublisherHTTPWorker",
+            "data": {"key": 7713765376809813936, "uri": "https://h.example/"},
+            "options": {
+                "priority": 3500,
+                "objectPHID": None,
+                "containerPHID": None,
+                "delayUntil": None,
+            },
+        },
+        {
+            "taskClass": "PhabricatorSearchWorker",
+            "data": [],
+            "options": {
+                "priority": 1000,
+                "objectPHID": "PHID-X",
+                "containerPHID": "PHID-Y",
+                "delayUntil": 1900000000,
+            },
+        },
+        {"taskClass": "Bare", "data": {"a": 1}, "options": []},
+        {"no": "class"},
+    ]
+    result = outcome({"result": "success", "duration": 1234, "followups": followups})
+    task, _, error = run_against(conduit_result(result))
+    assert error is None
+    assert task.followups == [
+        FollowUp(
+            "FeedPublisherHTTPWorker",
+            {"key": 7713765376809813936, "uri": "https://h.example/"},
+            3500,
+            None,
+            None,
+            None,
+        ),
+        FollowUp("PhabricatorSearchWorker", [], 1000, "PHID-X", "PHID-Y", 1900000000),
+        FollowUp("Bare", {"a": 1}, None, None, None, None),
+    ]
+
+
+def test_yield() -> None:
+    _, _, error = run_against(conduit_result(outcome({"result": "yield", "yieldDuration": 90})))
+    assert isinstance(error, Yield) and error.seconds == 90
+    # Phorge never yields for less than 5 s.
+    _, _, error = run_against(conduit_result(outcome({"result": "yield", "yieldDuration": 0})))
+    assert isinstance(error, Yield) and error.seconds == 5
+
+
+def test_permanent_failure() -> None:
+    message = "Task class 'NoSuchWorker' does not exist!"
+    reply = conduit_result(outcome({"result": "permanent-failure", "message": message}))
+    task, _, error = run_against(reply)
+    assert isinstance(error, PermanentFailure) and str(error) == message
+    assert task.followups == []
+
+
+def test_failure_carries_the_workers_wait() -> None:
+    reply = conduit_result(
+        outcome({"result": "failure", "retryWait": 45, "message": "Exception: Temporary failure!"})
+    )
+    task, _, error = run_against(reply)
+    assert isinstance(error, TemporaryFailure)
+    assert (str(error), error.wait) == ("Exception: Temporary failure!", 45)
+    assert task.followups == []
+
+
+def test_unknown_result_is_temporary(caplog: pytest.LogCaptureFixture) -> None:
+    _, _, error = run_against(conduit_result(outcome({"result": "maybe"})))
+    assert isinstance(error, TemporaryFailure)
+    assert "unknown result" in str(error)
+    _, _, error = run_against(conduit_result([]))
+    assert isinstance(error, TemporaryFailure)
+
+
+def test_auth_failure_is_temporary_and_loud(caplog: pytest.LogCaptureFixture) -> None:
+    info = f'API token "{TOKEN}" is not valid.'
+    _, _, error = run_against(conduit_error("ERR-INVALID-AUTH", info))
+    assert isinstance(error, TemporaryFailure)
+    assert "ERR-INVALID-AUTH" in str(error)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and "BRIDGE_CONDUIT_TOKEN" in errors[0].getMessage()
+    assert TOKEN not in caplog.text and TOKEN not in str(error)
+
+
+def test_non_admin_is_an_auth_failure(caplog: pytest.LogCaptureFixture) -> None:
+    reply = conduit_error("ERR-BRIDGE-PERMISSION", 'The calling account ("bob") is not an admin.')
+    _, _, error = run_against(reply)
+    assert isinstance(error, TemporaryFailure)
+    assert any(r.levelno >= logging.ERROR for r in caplog.records)
+
+
+def test_missing_extension_is_temporary_and_loud(caplog: pytest.LogCaptureFixture) -> None:
+    reply = conduit_error("ERR-CONDUIT-CALL", 'Conduit API method "worker.execute" does not exist.')
+    _, _, error = run_against(reply)
+    assert isinstance(error, TemporaryFailure)
+    assert "install-extension" in caplog.text
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+def test_5xx_is_temporary(status: int) -> None:
+    _, _, error = run_against(Reply(status, b"<html><body>Service Unavailable</body></html>"))
+    assert isinstance(error, TemporaryFailure)
+    assert f"HTTP {status}" in str(error) and "Service Unavailable" in str(error)
+
+
+def test_conduit_core_error_is_temporary() -> None:
+    _, _, error = run_against(conduit_error("ERR-CONDUIT-CORE", "Lost connection to MySQL"))
+    assert isinstance(error, TemporaryFailure) and "Lost connection" in str(error)
+
+
+def test_read_only_phorge_yields() -> None:
+    _, _, error = run_against(conduit_error("ERR-BRIDGE-READ-ONLY", "read-only"))
+    assert isinstance(error, Yield) and error.seconds == 300
+
+
+def test_timeout_is_temporary() -> None:
+    _, _, error = run_against(Reply(delay=1.5), read_timeout=0.2)
+    assert isinstance(error, TemporaryFailure)
+    assert "timed out" in str(error) and "still be running" in str(error)
+
+
+def test_long_lease_classes() -> None:
+    handler = ConduitProxyHandler(
+        ConduitClient("http://127.0.0.1:9", TOKEN, read_timeout=600),
+        lease_overrides={"SlowWorker": 7200},
+    )
+    git = make_task(taskClass="PhabricatorRepositoryGitCommitChangeParserWorker")
+    assert handler.required_lease(git) == PHORGE_REQUIRED_LEASES[git.taskClass] == 86400
+    assert handler._read_timeout(git) == 86400 - 60
+    assert handler.required_lease(make_task(taskClass="SlowWorker")) == 7200
+    plain = make_task()
+    assert handler.required_lease(plain) is None
+    assert handler._read_timeout(plain) == 600
+
+
+def test_longer_lease_than_held_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    reply = conduit_result(outcome({"result": "success", "requiredLease": 36000}))
+    _, _, error = run_against(reply)
+    assert error is None
+    assert "required lease of 36000s" in caplog.text
+
+
+def test_warnings_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    task = make_task()
+    apply_result(task, outcome({"result": "success", "warnings": ["Dropped follow-up task X"]}))
+    assert "Dropped follow-up task X" in caplog.text
+
+
+def test_serves_any_class() -> None:
+    assert ConduitProxyHandler.task_classes == ()
+    assert ConduitProxyHandler.serves_any_class is True
