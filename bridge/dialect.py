@@ -28,6 +28,31 @@ def _mysql_now(element, compiler, **kw) -> str:
     return "UNIX_TIMESTAMP()"
 
 
+class owner_epoch(FunctionElement[int]):
+    """When a lease was taken, read off its owner string (``...:epoch:host:sequence``).
+
+    PHP's owners are ``pid:epoch:host:seq`` and the bridge's ``prefix:pid:epoch:host:seq``:
+    the epoch is third from the end. PHP's lease leaves ``dateModified`` alone, so this is
+    the only trace of when a row was leased. SQLite gets the same rule as a Python
+    function (``model.lease_epoch``), registered on connect.
+    """
+
+    type = Integer()
+    inherit_cache = True
+
+
+@compiles(owner_epoch)
+def _sqlite_owner_epoch(element, compiler, **kw) -> str:
+    return f"owner_epoch({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(owner_epoch, "mysql")
+@compiles(owner_epoch, "mariadb")
+def _mysql_owner_epoch(element, compiler, **kw) -> str:
+    owner = compiler.process(element.clauses, **kw)
+    return f"CAST(SUBSTRING_INDEX(SUBSTRING_INDEX({owner}, ':', -3), ':', 1) AS UNSIGNED)"
+
+
 # Phorge's LiskDAO counter statement (IDS_COUNTER), generalised from +1 to +:n so a
 # batch takes one round trip; the sequence stays the one PHP draws from.
 _MYSQL_NEXT_IDS = text(

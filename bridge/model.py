@@ -69,12 +69,38 @@ def check_seconds(name: str, value: Any, minimum: int = 0, maximum: int = MAX_UI
     return value
 
 
+PHP_MAX_DEPTH = 511  # json_decode's default depth (512) counts one past the deepest array
+PHP_INT = range(-(2**63), 2**63)
+
+
+def _check_php_readable(data: Any) -> None:
+    """Refuse what PHP's ``json_decode`` would silently read as null or a float."""
+    stack = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list | tuple):
+            if depth >= PHP_MAX_DEPTH:
+                raise ValueError(f"nested deeper than the {PHP_MAX_DEPTH} levels PHP decodes")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                stack.append((key, depth + 1))
+                stack.append((item, depth + 1))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone UTF-16 surrogate") from None
+        elif isinstance(value, int) and not isinstance(value, bool) and value not in PHP_INT:
+            raise ValueError(f"integer {value} is outside PHP's 64-bit range")
+
+
 def encode_data(data: Any) -> str:
-    """JSON as PHP's ``json_encode`` would read it back; integers never pass through floats."""
+    """JSON that PHP's ``json_decode`` reads back unchanged (integers never become floats)."""
     try:
+        _check_php_readable(data)
         return json.dumps(data, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"task data cannot be encoded as JSON: {exc}") from None
+        raise ValueError(f"task data cannot be encoded as JSON for PHP: {exc}") from None
 
 
 def _refuse_constant(name: str) -> Any:
@@ -166,9 +192,7 @@ class Task:
         now = self.serverTime if self.serverTime is not None else int(time.time())
         if self.archived:
             return State.ARCHIVED
-        return classify(
-            self.leaseOwner, self.leaseExpires, self.failureTime, self.dateModified, now
-        )
+        return classify(self.leaseOwner, self.leaseExpires, self.failureTime, now)
 
     @property
     def label(self) -> str:
@@ -176,9 +200,13 @@ class Task:
         return f"{self.taskClass}#{self.id}"
 
 
-def classify(
-    owner: str | None, expires: int | None, failure_time: int | None, modified: int, now: int
-) -> State:
+def lease_epoch(owner: str | None) -> int | None:
+    """When the lease was taken, from the owner string's epoch (third field from the end)."""
+    parts = (owner or "").split(":")
+    return int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
+
+
+def classify(owner: str | None, expires: int | None, failure_time: int | None, now: int) -> State:
     """The state of an active row (the same rule as ``statements.state_case``)."""
     if owner is None:
         return State.DELAYED if expires is not None and expires > now else State.QUEUED
@@ -186,7 +214,9 @@ def classify(
         return State.EXPIRED
     if owner == YIELD_OWNER:
         return State.YIELDED
-    if failure_time is not None and modified <= failure_time:
+    # A failure keeps the failed run's owner: the row waits to retry until re-leased.
+    leased_at = lease_epoch(owner)
+    if failure_time is not None and (leased_at is None or leased_at <= failure_time):
         return State.RETRY_WAIT
     return State.LEASED
 

@@ -36,6 +36,7 @@ from bridge.model import (
     check_priority,
     check_seconds,
     decode_data,
+    lease_epoch,
 )
 from bridge.schema import metadata
 from bridge.schema import worker_activetask as active_table
@@ -76,6 +77,7 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     # concurrent writers wait instead of failing at once. Transactions are begun by
     # ``_sqlite_begin`` instead of pysqlite, so a read-then-write cannot lose its snapshot.
     dbapi_connection.isolation_level = None
+    dbapi_connection.create_function("owner_epoch", 1, lease_epoch, deterministic=True)
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA busy_timeout=30000")

@@ -59,6 +59,10 @@ def runtime() -> Runtime:
     """This process's runtime (a fresh one in each forked child)."""
     pid = os.getpid()
     if pid not in _runtimes:
+        for inherited in _runtimes.values():
+            # Forget the parent's pooled connections without closing them: closing would
+            # end the parent's sessions on the sockets this child shares.
+            inherited.queue.engine.dispose(close=False)
         _runtimes.clear()
         _runtimes[pid] = build_runtime(current_settings())
     return _runtimes[pid]

@@ -27,7 +27,7 @@ from sqlalchemy import (
     update,
 )
 
-from bridge.dialect import db_now
+from bridge.dialect import db_now, owner_epoch
 from bridge.model import (
     RESULT_CANCELLED,
     YIELD_OWNER,
@@ -116,7 +116,7 @@ def take_unleased(ids: Sequence[int], owner: str, seconds: int) -> Update:
     return (
         update(active)
         .where(*_unleased_due(), active.c.id.in_(list(ids)))
-        .values(leaseOwner=owner, leaseExpires=db_now() + seconds, dateModified=db_now())
+        .values(leaseOwner=owner, leaseExpires=db_now() + seconds)
     )
 
 
@@ -143,7 +143,7 @@ def take_expired(rows: Iterable[tuple[int, str]], owner: str, seconds: int) -> U
     return (
         update(active)
         .where(or_(*seen), active.c.leaseExpires < db_now())
-        .values(leaseOwner=owner, leaseExpires=db_now() + seconds, dateModified=db_now())
+        .values(leaseOwner=owner, leaseExpires=db_now() + seconds)
     )
 
 
@@ -168,8 +168,17 @@ def _guard(task_id: int, owner: str) -> ColumnElement[bool]:
     return and_(active.c.id == task_id, _held_by(owner))
 
 
+def _waiting_to_retry() -> ColumnElement[bool]:
+    """A failed row keeps its owner; it waits to retry until a later lease replaces it."""
+    leased_at = owner_epoch(active.c.leaseOwner)
+    return and_(
+        active.c.failureTime.is_not(None),
+        or_(leased_at.is_(None), leased_at <= active.c.failureTime),
+    )
+
+
 def count_held_by_class(owner_prefix: str) -> Select:
-    """Live leases per class whose owner starts with ``owner_prefix`` (the poller's capacity).
+    """Live leases per class whose owner is ``owner_prefix:...`` (the poller's capacity).
 
     Rows waiting to retry keep their failed run's owner; they are not in flight.
     """
@@ -177,9 +186,9 @@ def count_held_by_class(owner_prefix: str) -> Select:
     return (
         select(active.c.taskClass, func.count())
         .where(
-            active.c.leaseOwner.like(escaped + "%", escape="\\"),
+            active.c.leaseOwner.like(escaped + ":%", escape="\\"),
             active.c.leaseExpires > db_now(),
-            or_(active.c.failureTime.is_(None), active.c.dateModified > active.c.failureTime),
+            ~_waiting_to_retry(),
         )
         .group_by(active.c.taskClass)
     )
@@ -379,7 +388,7 @@ def state_case(now: int) -> ColumnElement[str]:
         (or_(c.leaseExpires.is_(None), c.leaseExpires <= now), literal(State.EXPIRED.value)),
         (c.leaseOwner == YIELD_OWNER, literal(State.YIELDED.value)),
         (
-            and_(c.failureTime.is_not(None), c.dateModified <= c.failureTime),
+            _waiting_to_retry(),
             literal(State.RETRY_WAIT.value),
         ),
         else_=literal(State.LEASED.value),

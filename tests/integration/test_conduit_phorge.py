@@ -15,14 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import requests
@@ -33,11 +28,12 @@ from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.feed import FeedPublisherHTTPHandler, http_build_query
 from bridge.phorge_extension import check, install
 
-PHORGE_ROOT = os.environ.get("PHORGE_ROOT")
+try:  # tests/integration as a package or as a plain directory on sys.path
+    from .phorge_env import PHORGE_ROOT, SKIP_REASON, Phorge, phorge_root, php_server
+except ImportError:
+    from phorge_env import PHORGE_ROOT, SKIP_REASON, Phorge, phorge_root, php_server
 
-pytestmark = pytest.mark.skipif(
-    not PHORGE_ROOT, reason="PHORGE_ROOT (a Phorge checkout with a database) is not set"
-)
+pytestmark = pytest.mark.skipif(not PHORGE_ROOT, reason=SKIP_REASON)
 
 # Runs inside Phorge (scripts/init/init-script.php): the test's window on Phorge's side.
 HELPER = r"""<?php
@@ -146,39 +142,9 @@ switch ($command) {
 }
 """
 
-# What a web server's rewrite rule does for Phorge, for ``php -S``.
-ROUTER = r"""<?php
-$path = parse_url($_SERVER['REQUEST_URI'], PHP_URL_PATH);
-$_GET['__path__'] = $path;
-$_REQUEST['__path__'] = $path;
-// Cluster mode insists on it; php -S does not set it.
-if (!isset($_SERVER['SERVER_ADDR'])) {
-  $_SERVER['SERVER_ADDR'] = '127.0.0.1';
-}
-require getenv('PHORGE_WEBROOT').'/index.php';
-"""
 
-
-class Phorge:
-    """The Phorge under test: its helper script and its HTTP address."""
-
-    def __init__(self, root: Path, helper: Path) -> None:
-        self.root = root
-        self.helper = helper
-        self.url = ""
-
-    def php(self, *args: str) -> Any:
-        php = shutil.which("php")
-        if php is None:
-            pytest.fail("php is not installed")
-        completed = subprocess.run(
-            [php, str(self.helper), str(self.root), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert completed.returncode == 0, completed.stdout + completed.stderr
-        return json.loads(completed.stdout) if completed.stdout.strip() else None
+class ConduitPhorge(Phorge):
+    """The Phorge under test, with this module's helper commands and its HTTP address."""
 
     def rows(self, after: int) -> list[dict[str, Any]]:
         return self.php("rows", str(after))
@@ -187,55 +153,24 @@ class Phorge:
         return ConduitClient(self.url, token, read_timeout=120)
 
 
-def _wait_for_port(host: str, port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            sock.settimeout(0.2)
-            if sock.connect_ex((host, port)) == 0:
-                return
-        time.sleep(0.1)
-    pytest.fail(f"php -S did not listen on {host}:{port}")
-
-
 @pytest.fixture(scope="module")
-def phorge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phorge]:
-    root = Path(PHORGE_ROOT or "").resolve()
+def phorge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConduitPhorge]:
+    root = phorge_root()
     install(root)
     assert check(root), "installed extension is not current"
     work = tmp_path_factory.mktemp("phorge")
-    helper = work / "helper.php"
-    helper.write_text(HELPER)
-    instance = Phorge(root, helper)
-    env = instance.php("env")
-    server = None
-    url = os.environ.get("PHORGE_URL") or env["baseURI"]
+    instance = ConduitPhorge.with_helper(root, work, HELPER)
+    url = os.environ.get("PHORGE_URL") or instance.php("env")["baseURI"]
     instance.url = url.rstrip("/")
-    if not os.environ.get("PHORGE_URL"):
-        parts = urlsplit(url)
-        host, port = parts.hostname or "", parts.port or 80
-        if host not in {"127.0.0.1", "localhost"}:
-            pytest.fail(f"set PHORGE_URL: phabricator.base-uri {url} is not on this machine")
-        router = work / "router.php"
-        router.write_text(ROUTER)
-        log = (work / "php-server.log").open("wb")
-        server = subprocess.Popen(
-            ["php", "-S", f"{host}:{port}", "-t", str(root / "webroot"), str(router)],
-            env={**os.environ, "PHORGE_WEBROOT": str(root / "webroot")},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        _wait_for_port(host, port)
-    try:
+    if os.environ.get("PHORGE_URL"):
         yield instance
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait(10)
+    else:
+        with php_server(root, url, work):
+            yield instance
 
 
 @pytest.fixture(scope="module")
-def tokens(phorge: Phorge) -> dict[str, str]:
+def tokens(phorge: ConduitPhorge) -> dict[str, str]:
     return phorge.php("users")
 
 
@@ -270,7 +205,7 @@ def execute_params(**overrides: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("method", ["worker.execute", "worker.feedstory"])
-def test_anonymous_calls_are_refused(phorge: Phorge, method: str) -> None:
+def test_anonymous_calls_are_refused(phorge: ConduitPhorge, method: str) -> None:
     params = execute_params() if method == "worker.execute" else {"key": "1"}
     response = requests.post(
         f"{phorge.url}/api/{method}",
@@ -283,7 +218,9 @@ def test_anonymous_calls_are_refused(phorge: Phorge, method: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["worker.execute", "worker.feedstory"])
-def test_non_admin_token_is_refused(phorge: Phorge, tokens: dict[str, str], method: str) -> None:
+def test_non_admin_token_is_refused(
+    phorge: ConduitPhorge, tokens: dict[str, str], method: str
+) -> None:
     params = execute_params() if method == "worker.execute" else {"key": "1"}
     with pytest.raises(ConduitAuthError) as info:
         phorge.client(tokens["bridgetestuser"]).call(method, params)
@@ -291,7 +228,7 @@ def test_non_admin_token_is_refused(phorge: Phorge, tokens: dict[str, str], meth
     assert "not an administrator" in (info.value.error_info or "")
 
 
-def test_invalid_token_is_refused(phorge: Phorge) -> None:
+def test_invalid_token_is_refused(phorge: ConduitPhorge) -> None:
     with pytest.raises(ConduitAuthError) as info:
         phorge.client("api-" + "0" * 28).call("worker.execute", execute_params())
     assert info.value.error_code == "ERR-INVALID-AUTH"
@@ -317,7 +254,7 @@ def test_invalid_token_is_refused(phorge: Phorge) -> None:
     ],
 )
 def test_test_worker_outcomes(
-    phorge: Phorge,
+    phorge: ConduitPhorge,
     tokens: dict[str, str],
     data: str,
     failure_count: int,
@@ -340,7 +277,7 @@ def test_test_worker_outcomes(
     ],
 )
 def test_classes_that_cannot_run_fail_permanently(
-    phorge: Phorge, tokens: dict[str, str], task_class: str, message: str
+    phorge: ConduitPhorge, tokens: dict[str, str], task_class: str, message: str
 ) -> None:
     handler = ConduitProxyHandler(phorge.client(tokens["bridgetestadmin"]))
     task = TaskContext(
@@ -350,7 +287,7 @@ def test_classes_that_cannot_run_fail_permanently(
         handler.run(task)
 
 
-def test_proxy_does_not_touch_the_queue(phorge: Phorge, tokens: dict[str, str]) -> None:
+def test_proxy_does_not_touch_the_queue(phorge: ConduitPhorge, tokens: dict[str, str]) -> None:
     before = phorge.rows(0)
     handler = ConduitProxyHandler(phorge.client(tokens["bridgetestadmin"]))
     task = TaskContext(
@@ -366,7 +303,7 @@ def test_proxy_does_not_touch_the_queue(phorge: Phorge, tokens: dict[str, str]) 
 # -- Phorge's own task classes, end to end ------------------------------------------------------
 
 
-def test_real_feed_publication(phorge: Phorge, tokens: dict[str, str]) -> None:
+def test_real_feed_publication(phorge: ConduitPhorge, tokens: dict[str, str]) -> None:
     """Create a task in Maniphest, run the publish and feed workers through the proxy, and
     check the feed hook body against PHP's own http_build_query."""
     admin = phorge.client(tokens["bridgetestadmin"])
@@ -419,12 +356,7 @@ def test_real_feed_publication(phorge: Phorge, tokens: dict[str, str]) -> None:
                 "storyID", "storyType", "storyData", "storyAuthorPHID", "storyText", "epoch",
             )
         }  # fmt: skip
-        expected = subprocess.run(
-            ["php", str(phorge.helper), str(phorge.root), "body", key],
-            capture_output=True,
-            check=True,
-            timeout=120,
-        ).stdout.decode()
+        expected = phorge.php_text("body", key)
         assert http_build_query(fields) == expected
         if not env["silent"]:
             _deliver_to_local_hook(admin, key, expected)

@@ -178,27 +178,35 @@ def test_new_owner_stays_unique_with_a_long_prefix_and_host(monkeypatch):
 # -- states --------------------------------------------------------------------------------
 
 
+def leased_at(epoch: int) -> str:
+    """An owner string as PHP writes it (pid:epoch:host:sequence), leased at ``epoch``."""
+    return f"4242:{epoch}:web01:1"
+
+
 @pytest.mark.parametrize(
-    "owner, expires, failure_time, modified, state",
+    "owner, expires, failure_time, state",
     [
-        (None, None, None, NOW, State.QUEUED),
-        (None, NOW - 10, None, NOW, State.QUEUED),  # freed, or delayed until the past
-        (None, 0, None, NOW, State.QUEUED),  # retried (leaseExpires 0)
-        (None, NOW, None, NOW, State.QUEUED),  # due this second
-        (None, NOW + 10, None, NOW, State.DELAYED),
-        ("owner", NOW + 10, None, NOW, State.LEASED),
-        ("owner", NOW, None, NOW, State.EXPIRED),
-        ("owner", NOW - 10, None, NOW, State.EXPIRED),
-        ("owner", None, None, NOW, State.EXPIRED),
-        ("owner", NOW + 300, NOW, NOW, State.RETRY_WAIT),
-        ("owner", NOW - 1, NOW - 301, NOW - 301, State.EXPIRED),  # wait over: re-leasable
-        ("owner", NOW + 7000, NOW - 400, NOW - 100, State.LEASED),  # re-leased after it
-        (YIELD_OWNER, NOW + 5, None, NOW, State.YIELDED),
-        (YIELD_OWNER, NOW - 3600, None, NOW, State.EXPIRED),  # awakened
+        (None, None, None, State.QUEUED),
+        (None, NOW - 10, None, State.QUEUED),  # freed, or delayed until the past
+        (None, 0, None, State.QUEUED),  # retried (leaseExpires 0)
+        (None, NOW, None, State.QUEUED),  # due this second
+        (None, NOW + 10, None, State.DELAYED),
+        (leased_at(NOW), NOW + 10, None, State.LEASED),
+        (leased_at(NOW - 60), NOW, None, State.EXPIRED),
+        (leased_at(NOW - 60), NOW - 10, None, State.EXPIRED),
+        (leased_at(NOW - 60), None, None, State.EXPIRED),
+        (leased_at(NOW), NOW + 300, NOW, State.RETRY_WAIT),  # failed in its lease's second
+        (leased_at(NOW - 20), NOW + 300, NOW - 5, State.RETRY_WAIT),
+        (leased_at(NOW - 400), NOW - 1, NOW - 301, State.EXPIRED),  # wait over: re-leasable
+        (leased_at(NOW - 100), NOW + 7000, NOW - 400, State.LEASED),  # re-leased after it
+        (f"bridge:{leased_at(NOW - 100)}", NOW + 7000, NOW - 400, State.LEASED),
+        ("not-an-owner-string", NOW + 300, NOW - 5, State.RETRY_WAIT),
+        (YIELD_OWNER, NOW + 5, None, State.YIELDED),
+        (YIELD_OWNER, NOW - 3600, None, State.EXPIRED),  # awakened
     ],
 )
-def test_classify(owner, expires, failure_time, modified, state):
-    assert classify(owner, expires, failure_time, modified, NOW) is state
+def test_classify(owner, expires, failure_time, state):
+    assert classify(owner, expires, failure_time, NOW) is state
 
 
 def _task(**fields) -> Task:

@@ -1,0 +1,166 @@
+"""The Phorge install that the PHORGE_ROOT tests run against (shared by its test modules).
+
+PHORGE_ROOT is a Phorge checkout, with arcanist beside it, whose database is set up
+(``bin/storage upgrade``). Tests reach Phorge only through its own PHP: small helper
+scripts that ``require_once`` Phorge's ``scripts/init/init-script.php``, Phorge's
+command-line tools (``bin/worker``) and, for HTTP, a ``php -S`` server.
+
+Phorge's command-line tools ignore SIGTERM, so every process started here is killed
+with SIGKILL (its whole process group) when it overruns its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+import pytest
+
+PHORGE_ROOT = os.environ.get("PHORGE_ROOT")
+SKIP_REASON = (
+    "PHORGE_ROOT is not set: these tests need a Phorge checkout (arcanist beside it) "
+    "whose database is set up; see docs/operations.md"
+)
+
+# What a web server's rewrite rule does for Phorge, for ``php -S``.
+ROUTER = r"""<?php
+$path = parse_url($_SERVER['REQUEST_URI'], PHP_URL_PATH);
+$_GET['__path__'] = $path;
+$_REQUEST['__path__'] = $path;
+// Cluster mode insists on it; php -S does not set it.
+if (!isset($_SERVER['SERVER_ADDR'])) {
+  $_SERVER['SERVER_ADDR'] = '127.0.0.1';
+}
+require getenv('PHORGE_WEBROOT').'/index.php';
+"""
+
+
+def phorge_root() -> Path:
+    """PHORGE_ROOT, checked to be a Phorge checkout with arcanist beside it."""
+    root = Path(PHORGE_ROOT or "").resolve()
+    missing = [
+        str(path)
+        for path in (
+            root / "bin" / "storage",
+            root / "src" / "__phutil_library_map__.php",
+            root.parent / "arcanist" / "src" / "__phutil_library_map__.php",
+        )
+        if not path.exists()
+    ]
+    if missing:
+        pytest.fail(f"PHORGE_ROOT={root} is not a Phorge checkout: missing {', '.join(missing)}")
+    if shutil.which("php") is None:
+        pytest.fail("php is not installed (scripts/services.sh install installs php-cli)")
+    return root
+
+
+def run(
+    command: Sequence[str],
+    *,
+    timeout: float = 120,
+    stdin: str | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command to completion; SIGKILL its process group if it overruns ``timeout``."""
+    process = subprocess.Popen(
+        list(command),
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(process)
+        pytest.fail(f"{' '.join(command)} did not finish within {timeout}s; killed it")
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
+
+
+def kill(process: subprocess.Popen) -> None:
+    """SIGKILL a process started with ``start_new_session`` and its children; reap it."""
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+
+
+class Phorge:
+    """The Phorge under test: its checkout, a helper script run inside it, its CLI tools."""
+
+    def __init__(self, root: Path, helper: Path) -> None:
+        self.root = root
+        self.helper = helper
+        self.url = ""
+
+    @classmethod
+    def with_helper(cls, root: Path, work: Path, source: str) -> Self:
+        """An instance whose helper script (PHP ``source``) is written into ``work``."""
+        helper = work / "helper.php"
+        helper.write_text(source)
+        return cls(root, helper)
+
+    def helper_command(self, *args: str) -> list[str]:
+        """The command line that runs the helper script with ``args``."""
+        return ["php", str(self.helper), str(self.root), *args]
+
+    def php_text(self, *args: str, timeout: float = 120) -> str:
+        """Run the helper script; return its standard output (fails on a non-zero exit)."""
+        done = run(self.helper_command(*args), timeout=timeout)
+        assert done.returncode == 0, f"helper {args[:1]} failed:\n{done.stdout}{done.stderr}"
+        return done.stdout
+
+    def php(self, *args: str, timeout: float = 120) -> Any:
+        """Run the helper script; return its standard output decoded as JSON."""
+        out = self.php_text(*args, timeout=timeout)
+        return json.loads(out) if out.strip() else None
+
+    def bin(self, tool: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run one of Phorge's ``bin/`` tools (``bin/worker retry --id 3``), whatever it exits."""
+        return run(["php", str(self.root / "bin" / tool), *args], timeout=timeout)
+
+
+def wait_for_port(host: str, port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            sock.settimeout(0.2)
+            if sock.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.1)
+    pytest.fail(f"php -S did not listen on {host}:{port}")
+
+
+@contextmanager
+def php_server(root: Path, url: str, work: Path) -> Iterator[None]:
+    """Serve Phorge at ``url`` (which must be on this machine) with ``php -S``."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or 80
+    if host not in {"127.0.0.1", "localhost"}:
+        pytest.fail(f"set PHORGE_URL: phabricator.base-uri {url} is not on this machine")
+    router = work / "router.php"
+    router.write_text(ROUTER)
+    with (work / "php-server.log").open("wb") as log:
+        server = subprocess.Popen(
+            ["php", "-S", f"{host}:{port}", "-t", str(root / "webroot"), str(router)],
+            env={**os.environ, "PHORGE_WEBROOT": str(root / "webroot")},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for_port(host, port)
+        yield
+    finally:
+        kill(server)
