@@ -16,11 +16,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bridge.conduit import ConduitSettings, validate_token
-from bridge.model import check_owner
 from bridge.routing import QUEUE_NAME, Router
 
 DATABASE_SCHEMES = ("mysql", "mysql+mysqldb", "mariadb", "mariadb+mysqldb", "sqlite")
-BROKER_SCHEMES = ("amqp", "pyamqp", "amqps", "redis", "rediss", "sqla+sqlite", "filesystem")
+MAX_OWNER_PREFIX = 24  # leaves room for ":pid:time:host:sequence" in varchar(64)
+BROKER_SCHEMES = ("amqp", "pyamqp", "amqps", "redis", "rediss", "sqla+sqlite")
 
 
 class ConfigError(ValueError):
@@ -147,6 +147,13 @@ def _positive_int(name: str, raw: str) -> int:
     return value
 
 
+def _port(name: str, raw: str) -> int:
+    port = _positive_int(name, raw)
+    if port > 65535:
+        raise ConfigError(name, f"expected a TCP port from 1 to 65535, got {raw!r}")
+    return port
+
+
 def _positive_float(name: str, raw: str) -> float:
     try:
         value = float(raw)
@@ -245,7 +252,6 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every setting; raises ConfigError naming the first bad one."""
     env = dict(os.environ if environ is None else environ)
     unknown = sorted(name for name in env if name.startswith("BRIDGE_") and name not in KNOWN)
-    unknown = [name for name in unknown if not name.startswith("BRIDGE_TEST_")]
     if unknown:
         raise ConfigError(unknown[0], "unknown setting; see the README's settings table")
 
@@ -270,10 +276,12 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     if control_queue in router.queues:
         raise ConfigError("BRIDGE_ROUTES", f"routes a class to the control queue {control_queue!r}")
     prefix = get("BRIDGE_OWNER_PREFIX")
-    try:
-        check_owner(prefix + ":0:0:host:0")
-    except ValueError:
-        raise ConfigError("BRIDGE_OWNER_PREFIX", "must be short (at most 24 characters)") from None
+    # No colon: "prefix:" must select this bridge's owners and no other's.
+    if not prefix or len(prefix) > MAX_OWNER_PREFIX or ":" in prefix:
+        raise ConfigError(
+            "BRIDGE_OWNER_PREFIX",
+            f"must be short (1 to {MAX_OWNER_PREFIX} characters) and hold no ':'",
+        )
     metrics_port = env.get("BRIDGE_METRICS_PORT", "")
     settings = Settings(
         database_url=get("BRIDGE_DATABASE_URL", lambda n, v: _url(n, v, DATABASE_SCHEMES)),
@@ -293,10 +301,16 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         owner_prefix=prefix,
         inline_data_max=get("BRIDGE_INLINE_DATA_MAX", _positive_int),
         task_events=get("BRIDGE_TASK_EVENTS", _boolean),
-        metrics_port=_positive_int("BRIDGE_METRICS_PORT", metrics_port) if metrics_port else None,
+        metrics_port=_port("BRIDGE_METRICS_PORT", metrics_port) if metrics_port else None,
         metrics_address=get("BRIDGE_METRICS_ADDRESS"),
         conduit=_conduit(env, get),
     )
+    unknown_queues = sorted(set(settings.max_inflight.per_queue) - set(router.queues))
+    if unknown_queues:
+        raise ConfigError(
+            "BRIDGE_MAX_INFLIGHT",
+            f"no route leads to queue {unknown_queues[0]!r}; queues: {', '.join(router.queues)}",
+        )
     if settings.retry_base > settings.retry_max:
         raise ConfigError("BRIDGE_RETRY_BASE", "must not be larger than BRIDGE_RETRY_MAX")
     if settings.dispatch_lease < 2 * settings.poll_interval:

@@ -131,6 +131,25 @@ def context(task: Task, data_json: str | None) -> tuple[TaskContext, str | None]
     return ctx, error
 
 
+def policy(hook: Callable[[TaskContext], object], ctx: TaskContext) -> int | None:
+    """A handler's policy answer (seconds, or a count) as an int; None means the default.
+
+    A hook that raises or answers nonsense must not stop the run from being reported:
+    the failure would go uncounted and the task would loop, lease after lease, forever.
+    """
+    try:
+        value = hook(ctx)
+        if value is None:
+            return None
+        if isinstance(value, bool) or int(value) < 0:
+            raise ValueError(f"{value!r} is not a number of seconds or a count")
+        return int(value)
+    except Exception as exc:
+        name = getattr(hook, "__name__", "policy")
+        log.warning("%s#%d: %s: %s; using the default", ctx.taskClass, ctx.id, name, exc)
+        return None
+
+
 def run_task(rt: Runtime, task_id: int, owner: str, data_json: str | None = None) -> Outcome:
     """Execute one leased task end to end; returns what happened."""
     queue = rt.queue
@@ -147,12 +166,12 @@ def run_task(rt: Runtime, task_id: int, owner: str, data_json: str | None = None
     ctx, data_error = context(task, data_json)
     if data_error:
         return report(rt, task, Outcome.PERMANENT_FAILURE, data_error)
-    limit = handler.maximum_retry_count(ctx)
+    limit = policy(handler.maximum_retry_count, ctx)
     if limit is not None and task.failureCount > limit:
         reason = f"{task.label} has exceeded the maximum number of failures ({limit})"
         return report(rt, task, Outcome.PERMANENT_FAILURE, reason)
 
-    required = handler.required_lease(ctx)
+    required = policy(handler.required_lease, ctx)
     remaining = (task.leaseExpires or 0) - (task.serverTime or 0)
     if required is not None and remaining < required:
         claimed = with_retries(rt, task.label, lambda: queue.renew(task.id, owner, required))
@@ -182,7 +201,7 @@ def run_handler(rt: Runtime, handler: Handler, ctx: TaskContext) -> tuple[Outcom
         log.warning("%s#%d failed: %r", ctx.taskClass, ctx.id, exc)
         wait = exc.wait if isinstance(exc, TemporaryFailure) else None
         if wait is None:
-            wait = handler.wait_before_retry(ctx)
+            wait = policy(handler.wait_before_retry, ctx)
         outcome, detail = (
             Outcome.FAILURE,
             wait if wait is not None else backoff(rt, ctx.failureCount),

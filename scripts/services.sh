@@ -6,15 +6,15 @@
 #   scripts/services.sh start     start what is not answering yet (idempotent)
 #   scripts/services.sh status    exit 0 if all three answer
 #   scripts/services.sh stop      stop what start started (never a foreign server)
-#   scripts/services.sh env       print the BRIDGE_TEST_* export lines
+#   scripts/services.sh env       print the PHORGE_BRIDGE_TEST_* export lines
 #
 # See shared/services.md for why each flag is there.
 set -euo pipefail
 
-run=${BRIDGE_SERVICES_DIR:-/tmp/phorge-bridge-services}
-mysql_port=${BRIDGE_TEST_MYSQL_PORT:-3307}
-redis_port=${BRIDGE_TEST_REDIS_PORT:-6379}
-timeout=${BRIDGE_SERVICES_TIMEOUT:-60}   # seconds each service gets to come up
+run=${PHORGE_BRIDGE_SERVICES_DIR:-/tmp/phorge-bridge-services}
+mysql_port=${PHORGE_BRIDGE_TEST_MYSQL_PORT:-3307}
+redis_port=${PHORGE_BRIDGE_TEST_REDIS_PORT:-6379}
+timeout=${PHORGE_BRIDGE_SERVICES_TIMEOUT:-60}   # seconds each service gets to come up
 
 # RabbitMQ reads its whole setup from the environment, and every rabbitmqctl
 # call needs the same: a node name that resolves without DNS, epmd and the
@@ -174,9 +174,9 @@ stop() {
 status() { mysql_up && redis_up && amqp_port_open && amqp_up; }
 
 print_env() {
-    echo "export BRIDGE_TEST_MYSQL_URL=mysql+mysqldb://bridge:bridge@127.0.0.1:$mysql_port"
-    echo "export BRIDGE_TEST_AMQP_URL=amqp://guest:guest@127.0.0.1:5672//"
-    echo "export BRIDGE_TEST_REDIS_URL=redis://127.0.0.1:$redis_port"
+    echo "export PHORGE_BRIDGE_TEST_MYSQL_URL=mysql+mysqldb://bridge:bridge@127.0.0.1:$mysql_port"
+    echo "export PHORGE_BRIDGE_TEST_AMQP_URL=amqp://guest:guest@127.0.0.1:5672//"
+    echo "export PHORGE_BRIDGE_TEST_REDIS_URL=redis://127.0.0.1:$redis_port"
 }
 
 case ${1:-} in

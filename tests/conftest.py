@@ -1,6 +1,6 @@
 """Fixtures for real services: MariaDB, RabbitMQ and Redis started by ``scripts/test.sh``.
 
-The services' addresses come from ``BRIDGE_TEST_*`` environment variables
+The services' addresses come from ``PHORGE_BRIDGE_TEST_*`` environment variables
 (``scripts/services.sh env``). A missing variable fails the test instead of
 skipping it: a skipped test proves nothing.
 
@@ -28,6 +28,11 @@ MYSQL_CONNECT_ARGS = {
     "init_command": "SET sql_mode='STRICT_ALL_TABLES', time_zone='+00:00'",
 }
 
+# Tests that drive a real Phorge checkout are collected only when PHORGE_ROOT names one
+# (docs/operations.md, "Testing against a real Phorge"); otherwise they are not run at all.
+if not os.environ.get("PHORGE_ROOT"):
+    collect_ignore = ["integration/test_phorge_interop.py", "integration/test_conduit_phorge.py"]
+
 # Fixtures that reach each service, for marking tests (pytest -m "not mariadb").
 _SERVICE_MARKERS = {"mysql_url": "mariadb", "amqp_url": "rabbitmq", "redis_url": "redis"}
 
@@ -54,19 +59,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def mysql_url() -> str:
     """The MariaDB server URL, without a database."""
-    return _service_url("BRIDGE_TEST_MYSQL_URL")
+    return _service_url("PHORGE_BRIDGE_TEST_MYSQL_URL")
 
 
 @pytest.fixture(scope="session")
 def amqp_url() -> str:
     """The RabbitMQ broker URL."""
-    return _service_url("BRIDGE_TEST_AMQP_URL")
+    return _service_url("PHORGE_BRIDGE_TEST_AMQP_URL")
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """The Redis URL, without a database number."""
-    return _service_url("BRIDGE_TEST_REDIS_URL")
+    return _service_url("PHORGE_BRIDGE_TEST_REDIS_URL")
 
 
 @pytest.fixture(params=["rabbitmq", "redis"])

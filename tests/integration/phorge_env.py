@@ -27,10 +27,6 @@ from urllib.parse import urlsplit
 import pytest
 
 PHORGE_ROOT = os.environ.get("PHORGE_ROOT")
-SKIP_REASON = (
-    "PHORGE_ROOT is not set: these tests need a Phorge checkout (arcanist beside it) "
-    "whose database is set up; see docs/operations.md"
-)
 
 # What a web server's rewrite rule does for Phorge, for ``php -S``.
 ROUTER = r"""<?php

@@ -18,7 +18,7 @@ def cli(mysql_engine, monkeypatch):
     """Run ``phorge-bridge`` against the test database; returns (invoke, queue)."""
     url = mysql_engine.url.render_as_string(hide_password=False)
     for name in os.environ:
-        if name.startswith("BRIDGE_") and not name.startswith("BRIDGE_TEST_"):
+        if name.startswith("BRIDGE_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("BRIDGE_DATABASE_URL", url)
     runner = CliRunner()

@@ -29,11 +29,9 @@ from bridge.handlers.feed import FeedPublisherHTTPHandler, http_build_query
 from bridge.phorge_extension import check, install
 
 try:  # tests/integration as a package or as a plain directory on sys.path
-    from .phorge_env import PHORGE_ROOT, SKIP_REASON, Phorge, phorge_root, php_server
+    from .phorge_env import Phorge, phorge_root, php_server
 except ImportError:
-    from phorge_env import PHORGE_ROOT, SKIP_REASON, Phorge, phorge_root, php_server
-
-pytestmark = pytest.mark.skipif(not PHORGE_ROOT, reason=SKIP_REASON)
+    from phorge_env import Phorge, phorge_root, php_server
 
 # Runs inside Phorge (scripts/init/init-script.php): the test's window on Phorge's side.
 HELPER = r"""<?php

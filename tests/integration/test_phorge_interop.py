@@ -35,14 +35,11 @@ from bridge.queue import PhorgeQueue, make_engine
 from bridge.schema import worker_activetask as active
 
 try:  # tests/integration as a package or as a plain directory on sys.path
-    from .phorge_env import PHORGE_ROOT, SKIP_REASON, Phorge, phorge_root
+    from .phorge_env import Phorge, phorge_root
     from .phorge_php import HELPER, InteropPHP, php_value
 except ImportError:
-    from phorge_env import PHORGE_ROOT, SKIP_REASON, Phorge, phorge_root
+    from phorge_env import Phorge, phorge_root
     from phorge_php import HELPER, InteropPHP, php_value
-
-if not PHORGE_ROOT:
-    pytest.skip(SKIP_REASON, allow_module_level=True)
 
 BIG_KEY = 7713765376809813936  # a FeedPublisherWorker chronological key: over 2**53
 LEASE = 600  # the bridge's test leases; PHP's lease query always takes 7200 s

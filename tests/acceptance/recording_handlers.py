@@ -1,0 +1,58 @@
+"""A native handler that records every run, published by the acceptance fixtures.
+
+``tests/acceptance/conftest.py`` copies this module into a directory of its own with a
+``.dist-info`` whose ``entry_points.txt`` registers it in the ``phorge_bridge.handlers``
+group, and puts that directory on the workers' ``PYTHONPATH``: the product discovers it
+exactly as it would a third-party package's handlers.
+
+It behaves like ``PhabricatorTestWorker`` (same data keys) for the classes ``RecordedA``,
+``RecordedB`` and ``RecordedC``, plus ``failTimes`` (fail temporarily while the task's
+failure count is below it). Each run appends a JSON line to ``$PHORGE_BRIDGE_TEST_RECORD_FILE``
+when it starts and when it ends, naming the worker (``$PHORGE_BRIDGE_TEST_WORKER``) and the
+process that ran it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from bridge.handlers.base import TaskContext
+from bridge.handlers.test_worker import PhabricatorTestWorker
+
+
+def record(event: str, task: TaskContext) -> None:
+    line = json.dumps(
+        {
+            "event": event,
+            "id": task.id,
+            "taskClass": task.taskClass,
+            "failureCount": task.failureCount,
+            "worker": os.environ.get("PHORGE_BRIDGE_TEST_WORKER", "?"),
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
+    )
+    # One write of a short line to an O_APPEND file: lines of concurrent runs never mix.
+    fd = os.open(
+        os.environ["PHORGE_BRIDGE_TEST_RECORD_FILE"], os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    )
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+class RecordingTestWorker(PhabricatorTestWorker):
+    task_classes = ("RecordedA", "RecordedB", "RecordedC")
+
+    def run(self, task: TaskContext) -> None:
+        record("start", task)
+        data = task.data if isinstance(task.data, dict) else {}
+        if task.failureCount < data.get("failTimes", 0):
+            raise RuntimeError(
+                f"failing on purpose ({task.failureCount + 1} of {data['failTimes']})"
+            )
+        super().run(task)
+        record("end", task)

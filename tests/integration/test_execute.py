@@ -1,0 +1,498 @@
+"""``bridge.execute`` in process, on MariaDB: fencing, outcomes, heartbeat, guarded reporting.
+
+``run_task`` is called directly with a Runtime built from ``load_settings``, which is
+faster and more precise than a worker subprocess wherever the worker is not the point.
+Time passes by rewriting ``leaseExpires`` against the database clock, except where
+the heartbeat's own timer is under test.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import Engine, event, select, update
+from sqlalchemy.exc import OperationalError
+
+from bridge import execute as execute_module
+from bridge.config import load_settings
+from bridge.dialect import db_now
+from bridge.execute import Outcome, backoff, run_task
+from bridge.handlers.base import Handler, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.registry import Registry
+from bridge.handlers.test_worker import PhabricatorTestWorker
+from bridge.model import (
+    PRIORITY_DEFAULT,
+    RESULT_FAILURE,
+    RESULT_SUCCESS,
+    YIELD_OWNER,
+    TaskFilter,
+    new_owner,
+)
+from bridge.queue import PhorgeQueue, make_engine
+from bridge.runtime import Runtime
+from bridge.schema import worker_activetask as active
+from bridge.schema import worker_archivetask as archive
+from bridge.schema import worker_taskdata as taskdata
+
+pytestmark = pytest.mark.mariadb
+
+TEST_WORKER = "PhabricatorTestWorker"
+PROBE = "BridgeProbeWorker"
+RETRY_BASE, RETRY_MAX = 15, 3600
+REPORT_ATTEMPTS = 3
+
+
+class Probe(Handler):
+    """A handler whose behaviour each test sets; it remembers every run."""
+
+    task_classes = (PROBE,)
+
+    def __init__(self) -> None:
+        self.runs: list[TaskContext] = []
+        self.behaviour: Callable[[TaskContext], None] = lambda task: None
+        self.lease: int | None = None
+        self.wait: int | None = None
+
+    def required_lease(self, task: TaskContext) -> int | None:
+        return self.lease
+
+    def wait_before_retry(self, task: TaskContext) -> int | None:
+        return self.wait
+
+    def run(self, task: TaskContext) -> None:
+        self.runs.append(task)
+        self.behaviour(task)
+
+
+@pytest.fixture
+def probe() -> Probe:
+    return Probe()
+
+
+@pytest.fixture
+def rt(mysql_engine: Engine, probe: Probe) -> Iterator[Runtime]:
+    url = mysql_engine.url.render_as_string(hide_password=False)
+    settings = load_settings(
+        {
+            "BRIDGE_DATABASE_URL": url,
+            "BRIDGE_BROKER_URL": "amqp://unused//",
+            "BRIDGE_RETRY_BASE": str(RETRY_BASE),
+            "BRIDGE_RETRY_MAX": str(RETRY_MAX),
+            "BRIDGE_RETRY_JITTER": "0",
+            "BRIDGE_REPORT_ATTEMPTS": str(REPORT_ATTEMPTS),
+        }
+    )
+    registry = Registry([PhabricatorTestWorker(), probe])
+    runtime = Runtime(settings, PhorgeQueue(make_engine(url)), registry)
+    yield runtime
+    runtime.queue.engine.dispose()
+
+
+@pytest.fixture
+def sleeps(monkeypatch) -> list[float]:
+    """The backoff sleeps of ``bridge.execute``, recorded instead of slept."""
+    slept: list[float] = []
+    fake_time = SimpleNamespace(
+        sleep=slept.append, monotonic=time.monotonic, perf_counter=time.perf_counter
+    )
+    monkeypatch.setattr(execute_module, "time", fake_time)
+    return slept
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def queue_and_lease(rt: Runtime, task_class: str, data=None, seconds: int = 300, **options):
+    """Enqueue one task and lease it as a poll would; returns the leased Task."""
+    task_id = rt.queue.enqueue(task_class, data, **options)
+    owner = new_owner("bridge")
+    [task] = rt.queue.lease(1, owner, seconds, classes=[task_class])
+    assert task.id == task_id
+    return task
+
+
+def active_row(rt: Runtime, task_id: int):
+    with rt.queue.engine.connect() as conn:
+        return conn.execute(select(active).where(active.c.id == task_id)).first()
+
+
+def archive_rows(rt: Runtime, task_id: int) -> list:
+    with rt.queue.engine.connect() as conn:
+        return conn.execute(select(archive).where(archive.c.id == task_id)).all()
+
+
+def set_active(rt: Runtime, task_id: int, **values) -> None:
+    """Rewrite columns of an active row (``leaseExpires=db_now() - 1`` expires a lease)."""
+    with rt.queue.engine.begin() as conn:
+        conn.execute(update(active).where(active.c.id == task_id).values(**values))
+
+
+def now(rt: Runtime) -> int:
+    return rt.queue.server_time()
+
+
+def count_commits(engine: Engine) -> list[int]:
+    """A one-item list counting COMMITs on ``engine`` from now on."""
+    commits = [0]
+
+    def on_commit(_conn) -> None:
+        commits[0] += 1
+
+    event.listen(engine, "commit", on_commit)
+    return commits
+
+
+def renewals(result: str) -> float:
+    return REGISTRY.get_sample_value("phorge_bridge_lease_renewals_total", {"result": result}) or 0
+
+
+def database_blip() -> OperationalError:
+    return OperationalError("UPDATE worker_activetask ...", {}, Exception(2013, "Lost connection"))
+
+
+def flaky(method: Callable, failures: int) -> Callable:
+    """``method``, raising a database blip on its first ``failures`` calls."""
+    calls = {"n": 0}
+
+    def call(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] <= failures:
+            raise database_blip()
+        return method(*args, **kwargs)
+
+    return call
+
+
+# -- success and its cost ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["data-in-message", "data-from-db"])
+def test_a_short_task_costs_one_commit_its_outcome(rt, inline):
+    task = queue_and_lease(rt, TEST_WORKER, {"duration": 0})
+    commits = count_commits(rt.queue.engine)
+    outcome = run_task(rt, task.id, task.leaseOwner, task.rawData if inline else None)
+    assert outcome is Outcome.SUCCESS
+    assert commits == [1]
+    [row] = archive_rows(rt, task.id)
+    assert (row.result, row.leaseOwner) == (RESULT_SUCCESS, task.leaseOwner)
+    assert active_row(rt, task.id) is None
+
+
+def test_a_required_lease_beyond_the_dispatch_lease_is_claimed_before_running(rt, probe):
+    probe.lease = 3600
+    task = queue_and_lease(rt, PROBE, seconds=60)
+    seen = []
+    probe.behaviour = lambda ctx: seen.append(active_row(rt, ctx.id).leaseExpires - now(rt))
+    commits = count_commits(rt.queue.engine)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    assert seen[0] >= 3600 - 1
+    assert commits == [2], "one claim, one outcome"
+
+
+def test_the_celery_task_reports_its_outcome_by_label(rt, monkeypatch):
+    task = queue_and_lease(rt, TEST_WORKER)
+    monkeypatch.setattr(execute_module, "runtime", lambda: rt)
+    result = execute_module.execute(task.id, task.leaseOwner, task.rawData, TEST_WORKER)
+    assert result == f"{TEST_WORKER}#{task.id}: success"
+
+
+# -- the fence: a lease that is no longer ours changes nothing -----------------------------
+
+
+@pytest.mark.parametrize("re_leased", [True, False], ids=["re-leased", "expired"])
+def test_a_message_for_a_lost_lease_changes_nothing(rt, probe, re_leased):
+    task = queue_and_lease(rt, PROBE)
+    set_active(rt, task.id, leaseExpires=db_now() - 1)
+    if re_leased:
+        [again] = rt.queue.lease(1, new_owner("bridge"), 300, classes=[PROBE])
+        assert again.id == task.id
+    before = active_row(rt, task.id)
+
+    assert run_task(rt, task.id, task.leaseOwner, task.rawData) is Outcome.LEASE_LOST
+    assert probe.runs == []
+    assert active_row(rt, task.id) == before
+    assert archive_rows(rt, task.id) == []
+
+
+def test_a_lease_lost_while_running_writes_nothing_and_queues_no_followups(rt, probe):
+    task = queue_and_lease(rt, PROBE)
+
+    def lose_the_lease(ctx: TaskContext) -> None:
+        ctx.queue_task(TEST_WORKER, {"child": True})
+        set_active(rt, ctx.id, leaseOwner="someone-else", leaseExpires=db_now() + 300)
+
+    probe.behaviour = lose_the_lease
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.LEASE_LOST
+    assert active_row(rt, task.id).leaseOwner == "someone-else"
+    assert archive_rows(rt, task.id) == []
+    assert rt.queue.list(TaskFilter(classes=[TEST_WORKER])) == []
+
+
+# -- failures, retries, yields ---------------------------------------------------------------
+
+
+def test_a_temporary_failure_waits_as_declared_and_keeps_the_owner(rt):
+    data = {"doWork": "fail-temporary", "getWaitBeforeRetry": 42}
+    task = queue_and_lease(rt, TEST_WORKER, data)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.FAILURE
+    row = active_row(rt, task.id)
+    assert (row.failureCount, row.leaseOwner) == (1, task.leaseOwner)
+    assert row.leaseExpires - row.failureTime == 42
+
+
+@pytest.mark.parametrize(
+    ("failures", "wait"), [(0, RETRY_BASE), (3, RETRY_BASE * 8), (20, RETRY_MAX)]
+)
+def test_without_a_declared_wait_the_backoff_doubles_up_to_its_cap(rt, failures, wait):
+    task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary"})
+    set_active(rt, task.id, failureCount=failures)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.FAILURE
+    row = active_row(rt, task.id)
+    assert row.leaseExpires - row.failureTime == wait
+
+
+def test_backoff_jitter_stays_within_its_fraction(rt):
+    jittered = Runtime(
+        load_settings({"BRIDGE_RETRY_BASE": "100", "BRIDGE_RETRY_JITTER": "0.5"}),
+        rt.queue,
+        rt.registry,
+    )
+    waits = {backoff(jittered, 0) for _ in range(200)}
+    assert min(waits) >= 100 and max(waits) <= 150 and len(waits) > 1
+
+
+def test_a_temporary_failure_may_carry_its_own_wait(rt, probe):
+    probe.wait = 600
+
+    def fail(ctx: TaskContext) -> None:
+        raise TemporaryFailure("remote busy", wait=7)
+
+    probe.behaviour = fail
+    task = queue_and_lease(rt, PROBE)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.FAILURE
+    row = active_row(rt, task.id)
+    assert row.leaseExpires - row.failureTime == 7
+
+
+@pytest.mark.parametrize(("failures", "runs"), [(2, True), (3, False)])
+def test_past_the_maximum_retry_count_the_task_fails_permanently_unrun(rt, failures, runs):
+    data = {"doWork": "fail-temporary", "getMaximumRetryCount": 2, "getWaitBeforeRetry": 1}
+    task = queue_and_lease(rt, TEST_WORKER, data)
+    set_active(rt, task.id, failureCount=failures)
+    outcome = run_task(rt, task.id, task.leaseOwner)
+    if runs:
+        assert outcome is Outcome.FAILURE
+        assert active_row(rt, task.id).failureCount == 3
+    else:
+        assert outcome is Outcome.PERMANENT_FAILURE
+        [row] = archive_rows(rt, task.id)
+        assert (row.result, row.failureCount) == (RESULT_FAILURE, 3)
+
+
+def test_a_permanent_failure_is_archived_as_result_1_with_its_reason_logged(rt, caplog):
+    task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-permanent"})
+    with caplog.at_level(logging.WARNING):
+        assert run_task(rt, task.id, task.leaseOwner) is Outcome.PERMANENT_FAILURE
+    [row] = archive_rows(rt, task.id)
+    assert (row.result, row.duration) == (RESULT_FAILURE, 0)
+    assert f"task {task.id} failed permanently: Permanent failure!" in caplog.text
+
+
+@pytest.mark.parametrize(("seconds", "held_for"), [(2, 5), (60, 60)])
+def test_a_yield_hands_the_task_back_for_its_duration_without_a_failure(
+    rt, probe, seconds, held_for
+):
+    def yield_(ctx: TaskContext) -> None:
+        raise Yield(seconds)
+
+    probe.behaviour = yield_
+    task = queue_and_lease(rt, PROBE)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.YIELD
+    row = active_row(rt, task.id)
+    assert (row.leaseOwner, row.failureCount) == (YIELD_OWNER, 0)
+    assert row.leaseExpires - now(rt) in (held_for, held_for - 1)
+
+
+def raise_lookup_error(task: TaskContext) -> int:
+    raise LookupError("no policy for this task")
+
+
+@pytest.mark.parametrize(
+    ("data", "broken_hook", "outcome"),
+    [
+        ({"doWork": "fail-temporary", "getWaitBeforeRetry": "soon"}, None, Outcome.FAILURE),
+        ({"getRequiredLeaseTime": "1h"}, None, Outcome.SUCCESS),
+        ({"getMaximumRetryCount": "three"}, None, Outcome.SUCCESS),
+        ({"doWork": "fail-temporary"}, "wait_before_retry", Outcome.FAILURE),
+        ({}, "required_lease", Outcome.SUCCESS),
+        ({}, "maximum_retry_count", Outcome.SUCCESS),
+    ],
+    ids=["wait-value", "lease-value", "retries-value", "wait-hook", "lease-hook", "retries-hook"],
+)
+def test_an_unusable_policy_falls_back_to_the_default_and_the_run_is_reported(
+    rt, monkeypatch, data, broken_hook, outcome
+):
+    """Else the run raises, nothing is counted, and the task loops forever, lease after lease."""
+    if broken_hook:
+        handler = rt.registry.handler_for(TEST_WORKER)
+        monkeypatch.setattr(handler, broken_hook, raise_lookup_error)
+    task = queue_and_lease(rt, TEST_WORKER, data)
+    assert run_task(rt, task.id, task.leaseOwner) is outcome
+    if outcome is Outcome.FAILURE:
+        row = active_row(rt, task.id)
+        assert row.failureCount == 1
+        assert row.leaseExpires - row.failureTime == RETRY_BASE
+
+
+# -- follow-ups -------------------------------------------------------------------------------
+
+
+def test_followups_are_queued_once_on_success_with_the_parents_priority(rt, probe):
+    def queue_two(ctx: TaskContext) -> None:
+        ctx.queue_task(TEST_WORKER, {"n": 1})
+        ctx.queue_task(TEST_WORKER, {"n": 2}, priority=4000)
+        if ctx.failureCount == 0:
+            raise RuntimeError("first run fails after queueing")
+
+    probe.behaviour = queue_two
+    task = queue_and_lease(rt, PROBE, priority=1500)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.FAILURE
+    assert rt.queue.list(TaskFilter(classes=[TEST_WORKER])) == [], "queued by a failed run"
+
+    set_active(rt, task.id, leaseExpires=db_now() - 1)
+    [again] = rt.queue.lease(1, new_owner("bridge"), 300, classes=[PROBE])
+    assert run_task(rt, again.id, again.leaseOwner) is Outcome.SUCCESS
+    followups = rt.queue.list(TaskFilter(classes=[TEST_WORKER]))
+    assert sorted((t.data["n"], t.priority) for t in followups) == [(1, 1500), (2, 4000)]
+    assert all(t.id > task.id and t.leaseOwner is None for t in followups)
+
+
+def test_followups_of_a_default_priority_parent_get_the_default(rt):
+    data = {"followups": [{"taskClass": PROBE, "data": {}}]}
+    task = queue_and_lease(rt, TEST_WORKER, data)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    [followup] = rt.queue.list(TaskFilter(classes=[PROBE]))
+    assert followup.priority == PRIORITY_DEFAULT
+
+
+# -- data that cannot be used ------------------------------------------------------------------
+
+
+def corrupt(rt: Runtime, task_id: int, text: str | None) -> None:
+    with rt.queue.engine.begin() as conn:
+        data_id = active_row(rt, task_id).dataID
+        if text is None:
+            conn.execute(taskdata.delete().where(taskdata.c.id == data_id))
+        else:
+            conn.execute(update(taskdata).where(taskdata.c.id == data_id).values(data=text))
+
+
+@pytest.mark.parametrize(
+    ("stored", "inline", "reason"),
+    [
+        ('{"duration": ', None, "the task's data row is not valid JSON"),
+        ("{}", '{"duration": ', "the task's data row is not valid JSON"),
+        (None, None, "the task's data row is missing"),
+        ("[NaN]", None, "the task's data row is not valid JSON"),
+    ],
+    ids=["corrupt-row", "corrupt-message", "missing-row", "php-rejects-nan"],
+)
+def test_unusable_task_data_fails_permanently_with_a_clear_reason(
+    rt, probe, caplog, stored, inline, reason
+):
+    task = queue_and_lease(rt, PROBE, {})
+    corrupt(rt, task.id, stored)
+    with caplog.at_level(logging.WARNING):
+        assert run_task(rt, task.id, task.leaseOwner, inline) is Outcome.PERMANENT_FAILURE
+    assert probe.runs == []
+    [row] = archive_rows(rt, task.id)
+    assert row.result == RESULT_FAILURE
+    assert f"task {task.id} failed permanently: {reason}" in caplog.text
+
+
+def test_a_class_no_longer_served_is_handed_back_at_once(rt):
+    task = queue_and_lease(rt, "PhabricatorSearchWorker")
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.NOT_SERVED
+    row = active_row(rt, task.id)
+    assert (row.leaseOwner, row.leaseExpires) == (None, None)
+
+
+# -- the heartbeat -------------------------------------------------------------------------------
+
+
+SHORT_LEASE = 3  # the heartbeat beats every third of it: once a second
+
+
+def test_the_heartbeat_renews_the_lease_of_a_long_task(rt, probe):
+    task = queue_and_lease(rt, PROBE, seconds=SHORT_LEASE)
+    first_expiry = task.leaseExpires
+    expiries = []
+
+    def run_long(ctx: TaskContext) -> None:
+        for _ in range(3):
+            time.sleep(1)
+            expiries.append(active_row(rt, ctx.id).leaseExpires)
+
+    probe.behaviour = run_long
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    assert expiries[-1] > first_expiry + 1
+    assert archive_rows(rt, task.id)[0].result == RESULT_SUCCESS
+
+
+def test_a_renewal_that_finds_the_lease_lost_means_the_result_is_never_written(rt, probe):
+    task = queue_and_lease(rt, PROBE, seconds=SHORT_LEASE)
+    lost_before = renewals("lost")
+
+    def lose_then_regain(ctx: TaskContext) -> None:
+        # Expired for one heartbeat (someone could have leased and run it meanwhile)...
+        set_active(rt, ctx.id, leaseExpires=db_now() - 1)
+        deadline = time.monotonic() + 5
+        while renewals("lost") == lost_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # ...then ours again: the outcome write alone would now succeed.
+        set_active(rt, ctx.id, leaseExpires=db_now() + 300)
+
+    probe.behaviour = lose_then_regain
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.LEASE_LOST
+    assert renewals("lost") == lost_before + 1
+    row = active_row(rt, task.id)
+    assert (row.leaseOwner, row.failureCount) == (task.leaseOwner, 0)
+    assert archive_rows(rt, task.id) == []
+
+
+def test_a_database_blip_during_a_renewal_is_retried_not_fatal(rt, probe, monkeypatch):
+    monkeypatch.setattr(rt.queue, "renew", flaky(rt.queue.renew, failures=1))
+    errors_before = renewals("error")
+    task = queue_and_lease(rt, PROBE, seconds=SHORT_LEASE)
+    # Past the first lease: only the second beat's renewal keeps the task ours.
+    probe.behaviour = lambda ctx: time.sleep(SHORT_LEASE + 0.5)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    assert renewals("error") == errors_before + 1
+    assert archive_rows(rt, task.id)[0].result == RESULT_SUCCESS
+
+
+# -- reporting through database errors -------------------------------------------------------------
+
+
+def test_transient_errors_while_reporting_are_retried_with_backoff(rt, sleeps, monkeypatch):
+    monkeypatch.setattr(rt.queue, "complete", flaky(rt.queue.complete, failures=2))
+    task = queue_and_lease(rt, TEST_WORKER)
+    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    assert len(archive_rows(rt, task.id)) == 1
+    assert len(sleeps) == 2 and sleeps[0] < sleeps[1]
+
+
+def test_after_the_bounded_attempts_the_lease_is_left_to_expire(rt, sleeps, monkeypatch, caplog):
+    monkeypatch.setattr(rt.queue, "fail_temporary", flaky(rt.queue.fail_temporary, failures=99))
+    task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary"})
+    before = active_row(rt, task.id)
+    with caplog.at_level(logging.WARNING):
+        assert run_task(rt, task.id, task.leaseOwner) is Outcome.UNREPORTED
+    assert len(sleeps) == REPORT_ATTEMPTS - 1
+    assert active_row(rt, task.id) == before, "the lease was touched"
+    assert "not written; the lease will expire" in caplog.text

@@ -1,0 +1,215 @@
+"""``bridge.poll`` in process, on MariaDB: what is leased, how much, and where it is sent.
+
+``poll_once`` runs against a real database; the ``bridge.execute`` messages it would
+send are recorded instead of published (the acceptance tests publish them for real).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, update
+
+from bridge.config import load_settings
+from bridge.dialect import db_now
+from bridge.execute import execute
+from bridge.handlers.base import Handler, TaskContext
+from bridge.handlers.registry import Registry
+from bridge.model import NewTask, TaskFilter, new_owner
+from bridge.poller import poll_once
+from bridge.queue import PhorgeQueue, make_engine
+from bridge.runtime import Runtime
+from bridge.schema import worker_activetask as active
+
+pytestmark = pytest.mark.mariadb
+
+FAST, SLOW, OTHER = "FastWorker", "SlowWorker", "OtherWorker"
+DISPATCH_LEASE, POLL_INTERVAL = 300, 1.0
+
+
+class Noop(Handler):
+    task_classes = (FAST, SLOW, OTHER)
+
+    def run(self, task: TaskContext) -> None:
+        pass
+
+
+@dataclass
+class Message:
+    task_id: int
+    owner: str
+    data: str | None
+    task_class: str
+    queue: str
+    expires: float
+    argsrepr: str
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[Message]:
+    """The bridge.execute messages polls send, in order."""
+    messages: list[Message] = []
+
+    def apply_async(args, kwargs, queue, expires, argsrepr, kwargsrepr) -> None:
+        assert kwargsrepr == "{}"
+        messages.append(
+            Message(*args, kwargs["data"], kwargs["taskClass"], queue, expires, argsrepr)
+        )
+
+    monkeypatch.setattr(execute._get_current_object(), "apply_async", apply_async)
+    return messages
+
+
+@pytest.fixture
+def make_runtime(mysql_engine: Engine) -> Iterator[Callable[..., Runtime]]:
+    """``make_runtime(ROUTES="FastWorker=fast", ...)``: a Runtime on the test database."""
+    url = mysql_engine.url.render_as_string(hide_password=False)
+    queues: list[PhorgeQueue] = []
+
+    def make(**settings: str) -> Runtime:
+        env = {
+            "BRIDGE_DATABASE_URL": url,
+            "BRIDGE_BROKER_URL": "amqp://unused//",
+            "BRIDGE_DISPATCH_LEASE": str(DISPATCH_LEASE),
+            "BRIDGE_POLL_INTERVAL": str(POLL_INTERVAL),
+            **{f"BRIDGE_{name}": value for name, value in settings.items()},
+        }
+        config = load_settings(env)
+        registry = Registry(
+            [Noop()], include=config.handlers_include, exclude=config.handlers_exclude
+        )
+        queues.append(PhorgeQueue(make_engine(url)))
+        return Runtime(config, queues[-1], registry)
+
+    yield make
+    for queue in queues:
+        queue.engine.dispose()
+
+
+def enqueue(rt: Runtime, task_class: str, count: int = 1, data: Any = None, **options) -> list[int]:
+    return rt.queue.enqueue_many([NewTask(task_class, data, **options)] * count)
+
+
+def per_queue(messages: list[Message]) -> Counter:
+    return Counter((m.task_class, m.queue) for m in messages)
+
+
+def test_each_leased_task_goes_to_its_class_queue_with_its_lease_and_label(make_runtime, sent):
+    rt = make_runtime(ROUTES="Fast*=fast")
+    [fast] = enqueue(rt, FAST, data={"n": 1})
+    [slow] = enqueue(rt, SLOW)
+    assert poll_once(rt) == 2
+    by_id = {m.task_id: m for m in sent}
+    assert (by_id[fast].queue, by_id[slow].queue) == ("fast", "phorge")
+    for task_id, message in by_id.items():
+        [task] = rt.queue.list(TaskFilter(ids=[task_id]))
+        assert message.owner == task.leaseOwner and message.owner.startswith("bridge:")
+        assert message.data == task.rawData
+        assert message.argsrepr == repr((task.label,))
+        # The message is discarded before the dispatch lease can run out under it.
+        assert 0 < message.expires <= DISPATCH_LEASE - POLL_INTERVAL
+        assert task.leaseExpires - task.serverTime in (DISPATCH_LEASE, DISPATCH_LEASE - 1)
+
+
+def test_large_data_stays_in_the_database(make_runtime, sent):
+    rt = make_runtime(INLINE_DATA_MAX="20")
+    [small] = enqueue(rt, FAST, data={"n": 1})
+    [large] = enqueue(rt, FAST, data={"text": "x" * 100})
+    poll_once(rt)
+    data = {m.task_id: m.data for m in sent}
+    assert data == {small: '{"n":1}', large: None}
+
+
+def test_each_queue_leases_only_up_to_its_free_capacity(make_runtime, sent):
+    rt = make_runtime(ROUTES="Fast*=fast", MAX_INFLIGHT="5,fast=2")
+    fast = enqueue(rt, FAST, count=10)
+    enqueue(rt, SLOW, count=10)
+    poll_once(rt)
+    assert per_queue(sent) == {(FAST, "fast"): 2, (SLOW, "phorge"): 5}
+
+    sent.clear()
+    assert poll_once(rt) == 0, "leases in flight are counted"
+    first = next(t for t in rt.queue.list(TaskFilter(ids=fast)) if t.leaseOwner)
+    rt.queue.complete(first.id, first.leaseOwner, 1)
+    poll_once(rt)
+    assert per_queue(sent) == {(FAST, "fast"): 1}
+
+
+def test_a_flood_in_one_queue_does_not_starve_another(make_runtime, sent):
+    rt = make_runtime(ROUTES="Fast*=fast", MAX_INFLIGHT="10")
+    enqueue(rt, FAST, count=200, priority=1)
+    [slow] = enqueue(rt, SLOW, priority=5000)
+    poll_once(rt)
+    assert per_queue(sent) == {(FAST, "fast"): 10, (SLOW, "phorge"): 1}
+    assert slow in {m.task_id for m in sent}
+
+
+@pytest.mark.parametrize(
+    ("settings", "leased"),
+    [
+        ({}, {FAST, SLOW}),
+        ({"HANDLERS_EXCLUDE": "Slow*"}, {FAST}),
+        ({"HANDLERS_INCLUDE": "Fast*,Other*"}, {FAST}),
+    ],
+    ids=["native-only", "excluded", "included"],
+)
+def test_only_classes_the_bridge_can_run_are_leased(make_runtime, sent, settings, leased):
+    rt = make_runtime(**settings)
+    enqueue(rt, FAST)
+    enqueue(rt, SLOW)
+    [php_only] = enqueue(rt, "PhabricatorSearchWorker")
+    poll_once(rt)
+    assert {m.task_class for m in sent} == leased
+    unleased = [t for t in rt.queue.list(TaskFilter(active=True)) if t.leaseOwner is None]
+    assert php_only in {t.id for t in unleased}
+
+
+def test_expired_leases_are_leased_again_under_a_new_owner(make_runtime, sent):
+    rt = make_runtime()
+    [task_id] = enqueue(rt, FAST)
+    poll_once(rt)
+    [first] = sent
+    with rt.queue.engine.begin() as conn:
+        conn.execute(update(active).values(leaseExpires=db_now() - 1))
+    poll_once(rt)
+    [_, second] = sent
+    assert second.task_id == task_id and second.owner != first.owner
+
+
+def test_rows_waiting_to_retry_are_not_in_flight(make_runtime, sent):
+    rt = make_runtime(MAX_INFLIGHT="1")
+    [failed] = enqueue(rt, FAST)
+    poll_once(rt)
+    rt.queue.fail_temporary(failed, sent[0].owner, 600)
+    enqueue(rt, FAST)
+    assert poll_once(rt) == 1
+
+
+def test_another_bridges_leases_do_not_use_this_bridges_capacity(make_runtime, sent):
+    """Two bridges on one Phorge database, owner prefixes 'bridge' and 'bridge-eu'."""
+    rt = make_runtime(MAX_INFLIGHT="2")
+    enqueue(rt, FAST, count=4)
+    rt.queue.lease(2, new_owner("bridge-eu"), DISPATCH_LEASE, classes=[FAST])
+    assert poll_once(rt) == 2
+
+
+def test_a_broker_refusal_hands_back_the_unsent_leases(make_runtime, monkeypatch):
+    rt = make_runtime()
+    ids = enqueue(rt, FAST, count=3)
+    sent_ids = []
+
+    def refuse_after_one(args, **_options) -> None:
+        if sent_ids:
+            raise ConnectionError("broker went away")
+        sent_ids.append(args[0])
+
+    monkeypatch.setattr(execute._get_current_object(), "apply_async", refuse_after_one)
+    with pytest.raises(ConnectionError):
+        poll_once(rt)
+    owners = {t.id: t.leaseOwner for t in rt.queue.list(TaskFilter(ids=ids))}
+    assert owners[sent_ids[0]] is not None
+    assert [owner for task_id, owner in owners.items() if task_id not in sent_ids] == [None] * 2

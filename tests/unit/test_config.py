@@ -1,0 +1,205 @@
+"""``load_settings``: every ``BRIDGE_*`` setting, its default, what it accepts and what it refuses.
+
+The Conduit settings' own checks live beside the client, in ``test_conduit_client.py``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+
+from bridge.config import SETTINGS, ConfigError, MaxInflight, explain, load_settings
+from bridge.model import new_owner
+
+CONDUIT_SETTINGS = {s.name for s in SETTINGS if s.name.startswith("BRIDGE_CONDUIT_")}
+
+
+def test_defaults():
+    settings = load_settings({})
+    assert settings.database_url == "sqlite:///phorge-bridge.db"
+    assert settings.broker_url == "sqla+sqlite:///phorge-bridge-broker.db"
+    assert settings.poll_interval == 1.0
+    assert (settings.router.rules, settings.router.default_queue) == ((), "phorge")
+    assert settings.control_queue == "bridge.control"
+    assert settings.max_inflight == MaxInflight(50, {})
+    assert (settings.dispatch_lease, settings.default_lease) == (300, 7200)
+    assert (settings.retry_base, settings.retry_max, settings.retry_jitter) == (15, 3600, 0.2)
+    assert settings.report_attempts == 5
+    assert (settings.handlers_include, settings.handlers_exclude) == (("*",), ())
+    assert settings.owner_prefix == "bridge"
+    assert settings.inline_data_max == 8192
+    assert settings.task_events is True
+    assert (settings.metrics_port, settings.metrics_address) == (None, "127.0.0.1")
+    assert settings.conduit is None
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_the_documented_default_is_the_default(setting):
+    assert load_settings({setting.name: setting.default}) == load_settings({})
+
+
+def test_an_empty_value_means_the_default():
+    blanks = {s.name: "" for s in SETTINGS if s.name not in CONDUIT_SETTINGS}
+    assert load_settings(blanks) == load_settings({})
+
+
+# (variable, value, how to read it back from Settings, expected)
+ACCEPTED = [
+    ("BRIDGE_DATABASE_URL", "mysql+mysqldb://u:p@db/phabricator_worker", "database_url", None),
+    ("BRIDGE_DATABASE_URL", "mariadb://u:p@db:3306/phabricator_worker", "database_url", None),
+    ("BRIDGE_DATABASE_URL", "sqlite:////var/lib/bridge/phorge.db", "database_url", None),
+    ("BRIDGE_BROKER_URL", "amqp://guest:guest@rabbit:5672//", "broker_url", None),
+    ("BRIDGE_BROKER_URL", "rediss://redis:6380/3", "broker_url", None),
+    ("BRIDGE_POLL_INTERVAL", "0.25", "poll_interval", 0.25),
+    (
+        "BRIDGE_ROUTES",
+        "PhabricatorSearchWorker=search, *Mail*=mail,",
+        "router.rules",
+        (("PhabricatorSearchWorker", "search"), ("*Mail*", "mail")),
+    ),
+    ("BRIDGE_DEFAULT_QUEUE", "phorge.default", "router.default_queue", "phorge.default"),
+    ("BRIDGE_CONTROL_QUEUE", "bridge:poll", "control_queue", "bridge:poll"),
+    ("BRIDGE_MAX_INFLIGHT", "20", "max_inflight", MaxInflight(20, {})),
+    (
+        "BRIDGE_MAX_INFLIGHT",
+        "20, phorge=5",
+        "max_inflight",
+        MaxInflight(20, {"phorge": 5}),
+    ),
+    ("BRIDGE_MAX_INFLIGHT", "phorge=5", "max_inflight", MaxInflight(50, {"phorge": 5})),
+    ("BRIDGE_DISPATCH_LEASE", "60", "dispatch_lease", 60),
+    ("BRIDGE_DEFAULT_LEASE", "600", "default_lease", 600),
+    ("BRIDGE_RETRY_BASE", "1", "retry_base", 1),
+    ("BRIDGE_RETRY_MAX", "60", "retry_max", 60),
+    ("BRIDGE_RETRY_JITTER", "0", "retry_jitter", 0.0),
+    ("BRIDGE_RETRY_JITTER", "1", "retry_jitter", 1.0),
+    ("BRIDGE_REPORT_ATTEMPTS", "1", "report_attempts", 1),
+    ("BRIDGE_HANDLERS_INCLUDE", "Phabricator*, Herald*", "handlers_include", None),
+    ("BRIDGE_HANDLERS_EXCLUDE", "*Repository*", "handlers_exclude", ("*Repository*",)),
+    ("BRIDGE_OWNER_PREFIX", "bridge-eu-1", "owner_prefix", "bridge-eu-1"),
+    ("BRIDGE_INLINE_DATA_MAX", "1", "inline_data_max", 1),
+    ("BRIDGE_TASK_EVENTS", "false", "task_events", False),
+    ("BRIDGE_TASK_EVENTS", "OFF", "task_events", False),
+    ("BRIDGE_TASK_EVENTS", "0", "task_events", False),
+    ("BRIDGE_TASK_EVENTS", "Yes", "task_events", True),
+    ("BRIDGE_METRICS_PORT", "9808", "metrics_port", 9808),
+    ("BRIDGE_METRICS_PORT", "65535", "metrics_port", 65535),
+    ("BRIDGE_METRICS_ADDRESS", "0.0.0.0", "metrics_address", "0.0.0.0"),
+]
+EXPECTED_GLOBS = {"BRIDGE_HANDLERS_INCLUDE": ("Phabricator*", "Herald*")}
+
+
+def _case_id(env: dict[str, str]) -> str:
+    return ",".join(f"{name.removeprefix('BRIDGE_')}={value[:24]}" for name, value in env.items())
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "attribute", "expected"),
+    ACCEPTED,
+    ids=[_case_id({name: value}) for name, value, *_ in ACCEPTED],
+)
+def test_a_valid_value_is_read(name, value, attribute, expected):
+    settings = load_settings({name: value})
+    if expected is None:
+        expected = EXPECTED_GLOBS.get(name, value)
+    assert operator.attrgetter(attribute)(settings) == expected
+
+
+# (environment, the setting the error must name, a word of its explanation)
+REFUSED = [
+    ({"BRIDGE_POLL_INTERVALL": "1"}, "BRIDGE_POLL_INTERVALL", "unknown"),
+    ({"BRIDGE_MAX_INFLIGHT": "mail=5"}, "BRIDGE_MAX_INFLIGHT", "no route"),
+    ({"BRIDGE_DATABASE": "mysql://db"}, "BRIDGE_DATABASE", "unknown"),
+    ({"BRIDGE_DATABASE_URL": "postgresql://db/phorge"}, "BRIDGE_DATABASE_URL", "mysql"),
+    ({"BRIDGE_DATABASE_URL": "mysql+pymysql://db/phorge"}, "BRIDGE_DATABASE_URL", "accepted"),
+    ({"BRIDGE_DATABASE_URL": "phorge.db"}, "BRIDGE_DATABASE_URL", "sqlite"),
+    ({"BRIDGE_BROKER_URL": "kafka://k:9092"}, "BRIDGE_BROKER_URL", "amqp"),
+    ({"BRIDGE_BROKER_URL": "rabbit:5672"}, "BRIDGE_BROKER_URL", "redis"),
+    ({"BRIDGE_POLL_INTERVAL": "0"}, "BRIDGE_POLL_INTERVAL", "positive"),
+    ({"BRIDGE_POLL_INTERVAL": "-1"}, "BRIDGE_POLL_INTERVAL", "positive"),
+    ({"BRIDGE_POLL_INTERVAL": "soon"}, "BRIDGE_POLL_INTERVAL", "positive"),
+    ({"BRIDGE_POLL_INTERVAL": "nan"}, "BRIDGE_POLL_INTERVAL", "positive"),
+    ({"BRIDGE_POLL_INTERVAL": "inf"}, "BRIDGE_POLL_INTERVAL", "positive"),
+    ({"BRIDGE_ROUTES": "PhabricatorSearchWorker"}, "BRIDGE_ROUTES", "glob=queue"),
+    ({"BRIDGE_ROUTES": "=search"}, "BRIDGE_ROUTES", "glob=queue"),
+    ({"BRIDGE_ROUTES": "*Search*="}, "BRIDGE_ROUTES", "glob=queue"),
+    ({"BRIDGE_ROUTES": "*Mail*=mail queue"}, "BRIDGE_ROUTES", "glob=queue"),
+    ({"BRIDGE_ROUTES": "*Mail*=mail,Herald*"}, "BRIDGE_ROUTES", "glob=queue"),
+    ({"BRIDGE_ROUTES": "*Mail*=bridge.control"}, "BRIDGE_ROUTES", "control queue"),
+    ({"BRIDGE_DEFAULT_QUEUE": "phorge tasks"}, "BRIDGE_DEFAULT_QUEUE", "queue name"),
+    ({"BRIDGE_CONTROL_QUEUE": "phorge"}, "BRIDGE_CONTROL_QUEUE", "its own"),
+    ({"BRIDGE_CONTROL_QUEUE": "bridge/control"}, "BRIDGE_CONTROL_QUEUE", "letters"),
+    ({"BRIDGE_MAX_INFLIGHT": "0"}, "BRIDGE_MAX_INFLIGHT", "positive"),
+    ({"BRIDGE_MAX_INFLIGHT": "-3"}, "BRIDGE_MAX_INFLIGHT", "positive"),
+    ({"BRIDGE_MAX_INFLIGHT": "ten"}, "BRIDGE_MAX_INFLIGHT", "positive"),
+    ({"BRIDGE_MAX_INFLIGHT": "10,mail=0"}, "BRIDGE_MAX_INFLIGHT", "positive"),
+    ({"BRIDGE_MAX_INFLIGHT": "10,=5"}, "BRIDGE_MAX_INFLIGHT", "queue=N"),
+    ({"BRIDGE_DISPATCH_LEASE": "0"}, "BRIDGE_DISPATCH_LEASE", "positive"),
+    ({"BRIDGE_DISPATCH_LEASE": "1.5"}, "BRIDGE_DISPATCH_LEASE", "integer"),
+    (
+        {"BRIDGE_DISPATCH_LEASE": "3", "BRIDGE_POLL_INTERVAL": "2"},
+        "BRIDGE_DISPATCH_LEASE",
+        "twice BRIDGE_POLL_INTERVAL",
+    ),
+    ({"BRIDGE_DEFAULT_LEASE": "0"}, "BRIDGE_DEFAULT_LEASE", "positive"),
+    ({"BRIDGE_RETRY_BASE": "0"}, "BRIDGE_RETRY_BASE", "positive"),
+    ({"BRIDGE_RETRY_MAX": "-60"}, "BRIDGE_RETRY_MAX", "positive"),
+    ({"BRIDGE_RETRY_BASE": "120", "BRIDGE_RETRY_MAX": "60"}, "BRIDGE_RETRY_BASE", "RETRY_MAX"),
+    ({"BRIDGE_RETRY_JITTER": "1.5"}, "BRIDGE_RETRY_JITTER", "0 to 1"),
+    ({"BRIDGE_RETRY_JITTER": "-0.1"}, "BRIDGE_RETRY_JITTER", "0 to 1"),
+    ({"BRIDGE_RETRY_JITTER": "nan"}, "BRIDGE_RETRY_JITTER", "0 to 1"),
+    ({"BRIDGE_REPORT_ATTEMPTS": "0"}, "BRIDGE_REPORT_ATTEMPTS", "positive"),
+    # Room must be left for ":pid:time:host:sequence" in Phorge's varchar(64) leaseOwner.
+    ({"BRIDGE_OWNER_PREFIX": "x" * 45}, "BRIDGE_OWNER_PREFIX", "short"),
+    ({"BRIDGE_INLINE_DATA_MAX": "0"}, "BRIDGE_INLINE_DATA_MAX", "positive"),
+    ({"BRIDGE_TASK_EVENTS": "maybe"}, "BRIDGE_TASK_EVENTS", "true or false"),
+    ({"BRIDGE_METRICS_PORT": "0"}, "BRIDGE_METRICS_PORT", "integer"),
+    ({"BRIDGE_METRICS_PORT": "http"}, "BRIDGE_METRICS_PORT", "integer"),
+    ({"BRIDGE_METRICS_PORT": "99999"}, "BRIDGE_METRICS_PORT", "65535"),
+    ({"BRIDGE_CONDUIT_URL": "https://phorge.example.com"}, "BRIDGE_CONDUIT_TOKEN", "token"),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "setting", "explanation"), REFUSED, ids=[_case_id(env) for env, *_ in REFUSED]
+)
+def test_a_bad_value_is_refused_naming_its_setting(env, setting, explanation):
+    with pytest.raises(ConfigError) as refused:
+        load_settings(env)
+    assert refused.value.setting == setting
+    assert str(refused.value).startswith(f"{setting}: ")
+    assert explanation in str(refused.value)
+
+
+def test_every_setting_is_tested_here_or_beside_the_conduit_client():
+    tested = {name for name, *_ in ACCEPTED} | {name for env, *_ in REFUSED for name in env}
+    assert {s.name for s in SETTINGS} - tested - CONDUIT_SETTINGS == set()
+
+
+def test_the_longest_accepted_owner_prefix_still_makes_owners(monkeypatch):
+    """What load_settings lets through must not fail later, at every poll."""
+    longest = next(n for n in range(64, 0, -1) if _accepted({"BRIDGE_OWNER_PREFIX": "x" * n}))
+    monkeypatch.setattr("os.getpid", lambda: 4_194_304)  # Linux's largest pid
+    monkeypatch.setattr("bridge.model._owner_sequence", iter([10**9]))
+    assert new_owner("x" * longest).startswith("x" * longest + ":4194304:")
+
+
+def _accepted(env: dict[str, str]) -> bool:
+    try:
+        load_settings(env)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_a_url_is_not_repeated_in_the_error():
+    with pytest.raises(ConfigError) as refused:
+        load_settings({"BRIDGE_DATABASE_URL": "postgresql://phorge:s3cret@db/phorge"})
+    assert "s3cret" not in str(refused.value)
+
+
+def test_the_settings_table_lists_every_setting_with_its_default():
+    table = explain()
+    for setting in SETTINGS:
+        assert f"| `{setting.name}` | `{setting.default}` |" in table
