@@ -295,3 +295,7 @@ def install_extension(phorge_root: Path, check: bool) -> None:
         click.echo(f"installed {phorge_extension.install(phorge_root)}")
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,9 @@ from bridge.conduit import ConduitSettings, validate_token
 from bridge.routing import QUEUE_NAME, Router
 
 DATABASE_SCHEMES = ("mysql", "mysql+mysqldb", "mariadb", "mariadb+mysqldb", "sqlite")
+# A queue dispatches at most this many tasks per poll: 200 a second at the default
+# interval, while a backlog a worker cannot start within the dispatch lease stays small.
+DEFAULT_MAX_INFLIGHT = 200
 MAX_OWNER_PREFIX = 24  # leaves room for ":pid:time:host:sequence" in varchar(64)
 BROKER_SCHEMES = ("amqp", "pyamqp", "amqps", "redis", "rediss", "sqla+sqlite")
 
@@ -61,7 +64,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BRIDGE_CONTROL_QUEUE", "bridge.control", "queue of the bridge.poll messages"),
     Setting(
         "BRIDGE_MAX_INFLIGHT",
-        "50",
+        str(DEFAULT_MAX_INFLIGHT),
         "leases held at once per queue: 'N' for every queue, or 'N,queue=M,...'",
     ),
     Setting(
@@ -206,9 +209,7 @@ def _max_inflight(name: str, raw: str) -> MaxInflight:
             raise ConfigError(name, f"expected 'N' or 'queue=N', got {part!r}")
         else:
             per_queue[queue.strip()] = _positive_int(name, number)
-    if default is None:
-        default = 50
-    return MaxInflight(default, per_queue)
+    return MaxInflight(DEFAULT_MAX_INFLIGHT if default is None else default, per_queue)
 
 
 def _conduit(env: Mapping[str, str], get: Callable[..., Any]) -> ConduitSettings | None:

@@ -1,0 +1,34 @@
+"""The README's first command: the embedded run, end to end, with nothing set up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_the_demo_runs_every_sample_to_its_outcome(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BRIDGE_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "bridge.cli", "demo", "--dir", str(tmp_path), "--timeout", "90"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if "#" in line}
+    expected = {
+        "PhabricatorTestWorker#1": "archived: success after 0 failure(s)",
+        "PhabricatorTestWorker#2": "archived: success after 0 failure(s), ran 1.",
+        "PhabricatorTestWorker#3": "archived: success",
+        "PhabricatorTestWorker#4": "archived: failure after 3 failure(s)",
+        "PhabricatorTestWorker#5": "archived: success after 0 failure(s)",
+        "PhabricatorTestWorker#6": "archived: failure after 0 failure(s)",
+        "PhabricatorTestWorker#7": "archived: success",
+    }
+    assert sorted(lines) == sorted(expected), done.stdout
+    for label, outcome in expected.items():
+        assert outcome in lines[label], lines[label]
+    assert (tmp_path / "phorge-worker.db").exists()
