@@ -184,7 +184,7 @@ def run_task(rt: Runtime, task_id: int, owner: str, data_json: str | None = None
         outcome, detail, duration_us = run_handler(rt, handler, ctx)
     if heartbeat.lost:
         return Outcome.LEASE_LOST
-    return report(rt, task, outcome, detail, ctx=ctx, handler=handler, duration_us=duration_us)
+    return report(rt, task, outcome, detail, ctx=ctx, duration_us=duration_us)
 
 
 def run_handler(rt: Runtime, handler: Handler, ctx: TaskContext) -> tuple[Outcome, object, int]:
@@ -218,7 +218,6 @@ def report(
     detail: object,
     *,
     ctx: TaskContext | None = None,
-    handler: Handler | None = None,
     duration_us: int = 0,
 ) -> Outcome:
     """Write the outcome with its guarded statement; a lost fence writes nothing."""

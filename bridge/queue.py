@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, Row, create_engine, event
@@ -258,17 +257,8 @@ class PhorgeQueue:
     ) -> bool:
         """Archive with result 0, then enqueue the follow-ups, in one transaction."""
         check_seconds("duration", duration_us, maximum=MAX_UINT64)
-        checked = [
-            NewTask(
-                f.taskClass,
-                f.data,
-                PRIORITY_DEFAULT if f.priority is None else f.priority,
-                f.objectPHID,
-                f.containerPHID,
-                f.delayUntil,
-            ).validated()
-            for f in followups
-        ]
+        # Checked before anything is written; the priority is the parent's, known later.
+        checked = [f.as_new_task(PRIORITY_DEFAULT).validated() for f in followups]
 
         def work(conn: Connection) -> bool:
             row = self._archive(conn, task_id, owner, RESULT_SUCCESS, duration_us)
@@ -276,11 +266,8 @@ class PhorgeQueue:
                 return False
             # Follow-ups default to the parent's priority, as flushTaskQueue($defaults).
             inherited = [
-                (
-                    replace(task, priority=row.priority if f.priority is None else f.priority),
-                    data_json,
-                )
-                for f, (task, data_json) in zip(followups, checked, strict=True)
+                (f.as_new_task(row.priority), data_json)
+                for f, (_, data_json) in zip(followups, checked, strict=True)
             ]
             self._insert_tasks(conn, inherited)
             return True

@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from bridge.model import NewTask
+
 
 @dataclass(frozen=True)
 class FollowUp:
@@ -27,6 +29,18 @@ class FollowUp:
     objectPHID: str | None = None
     containerPHID: str | None = None
     delayUntil: int | None = None
+
+    def as_new_task(self, parent_priority: int) -> NewTask:
+        """The task to enqueue, with the parent's priority when none was given."""
+        priority = parent_priority if self.priority is None else self.priority
+        return NewTask(
+            self.taskClass,
+            self.data,
+            priority,
+            self.objectPHID,
+            self.containerPHID,
+            self.delayUntil,
+        )
 
 
 @dataclass
@@ -54,10 +68,14 @@ class TaskContext:
         container_phid: str | None = None,
         delay_until: int | None = None,
     ) -> None:
-        """Queue a follow-up task (Phorge's ``queueTask``): written only on success."""
-        self.followups.append(
-            FollowUp(task_class, data, priority, object_phid, container_phid, delay_until)
-        )
+        """Queue a follow-up task (Phorge's ``queueTask``): written only on success.
+
+        Checked now, as the queue will check it: a follow-up refused only when the parent
+        is archived would undo that archive and run the finished work again.
+        """
+        followup = FollowUp(task_class, data, priority, object_phid, container_phid, delay_until)
+        followup.as_new_task(self.priority).validated()
+        self.followups.append(followup)
 
 
 class Yield(Exception):

@@ -23,6 +23,7 @@ from bridge.conduit import (
     ConduitTransportError,
 )
 from bridge.handlers.base import Handler, PermanentFailure, TaskContext, TemporaryFailure, Yield
+from bridge.model import DEFAULT_RETRY_WAIT
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +106,22 @@ def _queue_followups(task: TaskContext, followups: Any) -> None:
         # PHP encodes an empty options array as [].
         if not isinstance(options, dict):
             options = {}
-        task.queue_task(
-            entry["taskClass"],
-            entry.get("data"),
-            priority=_optional_int(options.get("priority")),
-            object_phid=options.get("objectPHID") or None,
-            container_phid=options.get("containerPHID") or None,
-            delay_until=_optional_int(options.get("delayUntil")) or None,
-        )
+        try:
+            task.queue_task(
+                entry["taskClass"],
+                entry.get("data"),
+                priority=_optional_int(options.get("priority")),
+                object_phid=options.get("objectPHID") or None,
+                container_phid=options.get("containerPHID") or None,
+                delay_until=_optional_int(options.get("delayUntil")) or None,
+            )
+        except ValueError as exc:  # the queue would refuse it when archiving the parent
+            logger.error(
+                "task %s: follow-up %.64s skipped, the queue refuses it: %s",
+                task.id,
+                entry["taskClass"],
+                exc,
+            )
 
 
 def apply_result(task: TaskContext, result: Any) -> None:
@@ -202,6 +211,11 @@ class ConduitProxyHandler(Handler):
 
     def required_lease(self, task: TaskContext) -> int | None:
         return self.leases.get(task.taskClass)
+
+    def wait_before_retry(self, task: TaskContext) -> int | None:
+        # Phorge's flat wait when PHP could not say (transport, auth): the native backoff
+        # is for native handlers; a timed-out call may still be running in PHP.
+        return max(DEFAULT_RETRY_WAIT, int(self.client.read_timeout))
 
     def _read_timeout(self, task: TaskContext) -> float:
         """Wait at least the configured read timeout; for a long-lease class, nearly the lease."""

@@ -64,7 +64,7 @@ def clean_environ() -> dict[str, str]:
     return {
         name: value
         for name, value in os.environ.items()
-        if not name.startswith("BRIDGE_") or name.startswith("PHORGE_BRIDGE_TEST_")
+        if not name.startswith("BRIDGE_")
     }
 
 

@@ -3,12 +3,13 @@
 The fake Phorge is a real HTTP server on 127.0.0.1 (a random port) speaking Conduit's
 wire format; it answers ``worker.execute`` by task class, as a script per class below
 (``FakePhorge.answer_<class>``), and records every request. The bridge runs with
-``BRIDGE_CONDUIT_URL`` pointing at it, on MariaDB and RabbitMQ.
+``BRIDGE_CONDUIT_URL`` pointing at it and a well-formed token, on MariaDB, with RabbitMQ
+and then Redis as its broker.
 
-One deployment serves the whole module: every scenario's tasks are queued before the
-worker starts, so their waits overlap, and each test waits for its own tasks only.
-Follow-up tasks get classes the bridge is told not to serve (``Unserved*``), so they stay
-in the active table exactly as they were enqueued.
+One worker (both queues) and one beat per broker serve the whole module: every
+scenario's tasks are queued before the worker starts, so their waits overlap, and each
+test waits for its own tasks only. Follow-up tasks get classes the bridge is told not to
+serve (``Unserved*``), so they stay in the active table exactly as they were enqueued.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sqlalchemy import Engine, func, select, update
 
 from bridge.dialect import db_now
 from bridge.model import RESULT_FAILURE, RESULT_SUCCESS, YIELD_OWNER
-from bridge.schema import lisk_counter
+from bridge.schema import lisk_counter, metadata
 from bridge.schema import worker_activetask as active
 from bridge.schema import worker_archivetask as archive
 from bridge.schema import worker_taskdata as taskdata
@@ -54,7 +55,8 @@ except ImportError:
 
 READ_TIMEOUT = 1  # BRIDGE_CONDUIT_READ_TIMEOUT
 SLOW_REPLY = READ_TIMEOUT + 2  # the fake's delay for ProxySlow
-BACKOFF = 3600  # RETRY_BASE = RETRY_MAX, no jitter: the wait after a transport failure
+BACKOFF = 3600  # RETRY_BASE = RETRY_MAX, no jitter: native handlers' wait, never the proxy's
+PHORGE_WAIT = 300  # Phorge's flat wait: the proxy's when PHP could not say (read timeout 1 s)
 SHORT_RETRY_WAIT = 1
 LONG_RETRY_WAIT = 1800
 LONG_YIELD = 600
@@ -191,6 +193,14 @@ class FakePhorge:
             self.steal(params["taskID"])
         return execute_result("success", followups=self.followups("UnservedChildOfStolen"))
 
+    def answer_ProxyBadFollowup(self, params, attempt) -> Reply:
+        # The extension passes through any int priority and any class name a PHP worker
+        # queued; the bridge's queue refuses these two.
+        good, _ = self.followups("UnservedChildOfBad")
+        bad_priority = {**good, "data": {"bad": "priority"}, "options": {"priority": 0}}
+        bad_class = {**good, "taskClass": "UnservedChildOfBad" + "X" * 50}
+        return execute_result("success", followups=[bad_priority, good, bad_class])
+
     def answer_ProxyHtml502(self, params, attempt) -> Reply:
         return Reply(502, HTML_502, {"Content-Type": "text/html"})
 
@@ -306,13 +316,14 @@ class Scenario:
             return conn.execute(query.where(table.c.id == task_id)).scalar_one()
 
 
-@pytest.fixture(scope="module")
-def proxy(make_module_bridge, module_database_url, amqp_url) -> Iterator[Scenario]:
+@pytest.fixture(scope="module", params=["rabbitmq", "redis"])
+def proxy(request, make_module_bridge, module_database_url) -> Iterator[Scenario]:
+    broker_url = request.getfixturevalue("amqp_url" if request.param == "rabbitmq" else "redis_url")
     fake = FakePhorge()
     with FakeServer(fake.respond) as server:
         bridge = make_module_bridge(
             module_database_url,
-            amqp_url,
+            broker_url,
             CONDUIT_URL=server.url,
             CONDUIT_TOKEN=TOKEN,
             CONDUIT_READ_TIMEOUT=str(READ_TIMEOUT),
@@ -324,6 +335,10 @@ def proxy(make_module_bridge, module_database_url, amqp_url) -> Iterator[Scenari
             INLINE_DATA_MAX=str(INLINE_DATA_MAX),
         )
         fake.engine = bridge.engine
+        with bridge.engine.begin() as conn:  # the previous broker's run used this database
+            conn.exec_driver_sql("SET SESSION lock_wait_timeout = 10")
+            for table in metadata.sorted_tables:
+                conn.exec_driver_sql(f"TRUNCATE TABLE `{table.name}`")
         s = Scenario(bridge, fake)
         fake.delay_until = s.now() + 3600
 
@@ -339,6 +354,7 @@ def proxy(make_module_bridge, module_database_url, amqp_url) -> Iterator[Scenari
         s.add("yield-short", "ProxyYieldShort", {})
         s.add("parent", "ProxyParent", {"big": BIG}, priority=PARENT_PRIORITY)
         s.add("stolen", "ProxyStolen", {}, priority=PARENT_PRIORITY)
+        s.add("bad-followup", "ProxyBadFollowup", {})
         s.add("html-502", "ProxyHtml502", {})
         s.add("html-200", "ProxyHtml200", {})
         s.add("slow", "ProxySlow", {})
@@ -472,6 +488,14 @@ def test_a_short_yield_comes_back_after_5s(proxy):
 # -- follow-ups ----------------------------------------------------------------------------
 
 
+def wait_for_sample(proxy, parent_id: int, state: tuple[int, int]) -> None:
+    proxy.bridge.wait_until(
+        lambda: (samples := proxy.sampler.of(parent_id)) and samples[-1][1] == state,
+        WAIT,
+        f"a snapshot of parent {parent_id} in state {state}",
+    )
+
+
 def assert_enqueued_with_the_archive(proxy, parent_id: int) -> list[tuple[float, tuple]]:
     """Every snapshot saw the parent active with no follow-up, or archived with both."""
     samples = proxy.sampler.of(parent_id)
@@ -484,9 +508,7 @@ def test_followups_are_enqueued_once_atomically_with_the_archive(proxy):
     parent_id = proxy.ids["parent"]
     [parent] = bridge.wait_archived([parent_id], timeout=WAIT).values()
     assert (parent.result, parent.priority) == (RESULT_SUCCESS, PARENT_PRIORITY)
-    bridge.wait_until(
-        lambda: proxy.sampler.of(parent_id)[-1][1] == (1, 2), WAIT, "a sample after the archive"
-    )
+    wait_for_sample(proxy, parent_id, (1, 2))
     assert_enqueued_with_the_archive(proxy, parent_id)
 
     first, second = proxy.children("UnservedChildOfParent")
@@ -520,9 +542,7 @@ def test_a_success_after_the_lease_was_taken_away_enqueues_nothing(proxy):
     assert won.time - lost.time >= STEAL_FOR
     assert f"ProxyStolen#{task_id}: lease-lost" in logs_of(proxy)
 
-    bridge.wait_until(
-        lambda: proxy.sampler.of(task_id)[-1][1] == (1, 2), WAIT, "a sample after the archive"
-    )
+    wait_for_sample(proxy, task_id, (1, 2))
     samples = assert_enqueued_with_the_archive(proxy, task_id)
     # Between the lost run's answer and the second run, nothing was queued.
     between = [state for t, state in samples if lost.time + 0.5 < t < won.time]
@@ -531,12 +551,28 @@ def test_a_success_after_the_lease_was_taken_away_enqueues_nothing(proxy):
     assert [json.loads(c.rawData)["n"] for c in proxy.children("UnservedChildOfStolen")] == [1, 2]
 
 
+def test_a_followup_the_queue_refuses_is_skipped_and_the_parent_still_archived(proxy):
+    bridge = proxy.bridge
+    task_id = proxy.ids["bad-followup"]
+    bridge.wait_until(
+        lambda: bridge.archived([task_id]) or "raised unexpected: ValueError" in logs_of(proxy),
+        WAIT,
+        "the parent's archive (or the worker's error)",
+    )
+    [row] = bridge.archived([task_id]).values()
+    assert row.result == RESULT_SUCCESS
+    assert [json.loads(c.rawData) for c in proxy.children("UnservedChildOfBad")] == [
+        {"n": 1, "big": BIG}
+    ]
+    assert len(proxy.fake.calls_of(task_id)) == 1
+
+
 # -- Conduit problems are temporary failures -----------------------------------------------
 
 
 def assert_temporary_failure(proxy, name: str):
     row = proxy.wait_row(name, lambda r: r.failureCount == 1, "a temporary failure")
-    assert row.leaseExpires == row.failureTime + BACKOFF
+    assert row.leaseExpires == row.failureTime + PHORGE_WAIT
     assert proxy.bridge.archived([row.id]) == {}
     return row
 
@@ -614,8 +650,11 @@ def test_classes_with_a_native_handler_are_not_sent_to_phorge(proxy):
 
 def test_every_request_used_phorges_form_and_the_token(proxy):
     """All of the module's calls so far (one task's request is checked field by field above)."""
-    calls = list(proxy.fake.calls)
-    assert len(calls) >= 15
+    calls = proxy.bridge.wait_until(
+        lambda: list(proxy.fake.calls) if len(proxy.fake.calls) >= 15 else [],
+        WAIT,
+        "the scenarios' calls",
+    )
     for call in calls:
         assert call.request.path == "/api/worker.execute"
         assert call.request.form["output"] == ["json"]
