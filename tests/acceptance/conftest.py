@@ -61,11 +61,7 @@ def write_plugin(directory: Path) -> Path:
 
 def clean_environ() -> dict[str, str]:
     """This process's environment without any BRIDGE_ setting (test addresses stay)."""
-    return {
-        name: value
-        for name, value in os.environ.items()
-        if not name.startswith("BRIDGE_")
-    }
+    return {name: value for name, value in os.environ.items() if not name.startswith("BRIDGE_")}
 
 
 def wait_until(

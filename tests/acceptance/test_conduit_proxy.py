@@ -15,15 +15,22 @@ serve (``Unserved*``), so they stay in the active table exactly as they were enq
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
+from conduit_fakes import (
+    TOKEN,
+    FakeServer,
+    Reply,
+    Request,
+    conduit_error,
+    conduit_result,
+    execute_answer,
+)
 from sqlalchemy import Engine, func, select, update
 
 from bridge.dialect import db_now
@@ -32,26 +39,6 @@ from bridge.schema import lisk_counter, metadata
 from bridge.schema import worker_activetask as active
 from bridge.schema import worker_archivetask as archive
 from bridge.schema import worker_taskdata as taskdata
-
-try:  # tests/ as packages (pytest's importlib mode) or as plain directories on sys.path
-    from ..unit.test_conduit_fakes import (
-        TOKEN,
-        FakeServer,
-        Reply,
-        Request,
-        conduit_error,
-        conduit_result,
-    )
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    from test_conduit_fakes import (  # type: ignore[no-redef]
-        TOKEN,
-        FakeServer,
-        Reply,
-        Request,
-        conduit_error,
-        conduit_result,
-    )
 
 READ_TIMEOUT = 1  # BRIDGE_CONDUIT_READ_TIMEOUT
 SLOW_REPLY = READ_TIMEOUT + 2  # the fake's delay for ProxySlow
@@ -90,19 +77,7 @@ HTML_EXCEPTION = (
 
 def execute_result(outcome: str, **fields: Any) -> Reply:
     """A ``worker.execute`` answer shaped as the extension's (every key present)."""
-    result = {
-        "result": outcome,
-        "duration": 1234,
-        "followups": [],
-        "yieldDuration": None,
-        "retryWait": None,
-        "message": None,
-        "requiredLease": None,
-        "maximumRetryCount": None,
-        "warnings": [],
-        **fields,
-    }
-    return conduit_result(result)
+    return conduit_result(execute_answer(**{"result": outcome, "duration": 1234, **fields}))
 
 
 @dataclass

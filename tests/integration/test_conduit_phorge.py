@@ -21,17 +21,13 @@ from typing import Any
 
 import pytest
 import requests
+from phorge_env import Phorge, phorge_root, php_server
 
 from bridge.conduit import ConduitAuthError, ConduitClient
 from bridge.handlers.base import PermanentFailure, TaskContext, TemporaryFailure
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.feed import FeedPublisherHTTPHandler, http_build_query
 from bridge.phorge_extension import check, install
-
-try:  # tests/integration as a package or as a plain directory on sys.path
-    from .phorge_env import Phorge, phorge_root, php_server
-except ImportError:
-    from phorge_env import Phorge, phorge_root, php_server
 
 # Runs inside Phorge (scripts/init/init-script.php): the test's window on Phorge's side.
 HELPER = r"""<?php

@@ -28,18 +28,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from phorge_env import Phorge, phorge_root
+from phorge_php import HELPER, InteropPHP, php_value
 
 from bridge.handlers.base import FollowUp
 from bridge.model import NewTask, State, TaskFilter, new_owner
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.schema import worker_activetask as active
-
-try:  # tests/integration as a package or as a plain directory on sys.path
-    from .phorge_env import Phorge, phorge_root
-    from .phorge_php import HELPER, InteropPHP, php_value
-except ImportError:
-    from phorge_env import Phorge, phorge_root
-    from phorge_php import HELPER, InteropPHP, php_value
 
 BIG_KEY = 7713765376809813936  # a FeedPublisherWorker chronological key: over 2**53
 LEASE = 600  # the bridge's test leases; PHP's lease query always takes 7200 s

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
 from bridge.conduit import (
     AUTH_ERROR_CODES,
@@ -20,11 +21,6 @@ from bridge.conduit import (
     ConduitTransportError,
 )
 from bridge.config import load_settings
-
-try:  # tests/unit as a package or as a plain directory on sys.path
-    from .test_conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
-except ImportError:
-    from test_conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
 
 def client_for(server: FakeServer, **kwargs: float) -> ConduitClient:

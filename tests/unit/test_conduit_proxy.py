@@ -7,6 +7,14 @@ import logging
 from typing import Any
 
 import pytest
+from conduit_fakes import (
+    TOKEN,
+    FakeServer,
+    Reply,
+    conduit_error,
+    conduit_result,
+    execute_answer,
+)
 
 from bridge.conduit import ConduitClient
 from bridge.handlers.base import FollowUp, PermanentFailure, TaskContext, TemporaryFailure, Yield
@@ -16,11 +24,6 @@ from bridge.handlers.conduit_proxy import (
     apply_result,
     execute_params,
 )
-
-try:  # tests/unit as a package or as a plain directory on sys.path
-    from .test_conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
-except ImportError:
-    from test_conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
 RAW = '{"key":7713765376809813936,"uri":"https:\\/\\/hooks.example\\/x","n":[]}'
 
@@ -42,18 +45,7 @@ def make_task(**fields: Any) -> TaskContext:
 
 
 def outcome(result: dict[str, Any]) -> dict[str, Any]:
-    base = {
-        "result": None,
-        "duration": 0,
-        "followups": [],
-        "yieldDuration": None,
-        "retryWait": None,
-        "message": None,
-        "requiredLease": None,
-        "maximumRetryCount": None,
-        "warnings": [],
-    }
-    return {**base, **result}
+    return execute_answer(**result)
 
 
 def run_against(reply: Reply, task: TaskContext | None = None, **client_kwargs: Any):

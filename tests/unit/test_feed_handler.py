@@ -16,6 +16,7 @@ import subprocess
 from typing import Any
 
 import pytest
+from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
 from bridge.conduit import ConduitClient
 from bridge.handlers.base import PermanentFailure, TaskContext, TemporaryFailure
@@ -27,11 +28,6 @@ from bridge.handlers.feed import (
     redact_uri,
     retry_wait,
 )
-
-try:  # tests/unit as a package or as a plain directory on sys.path
-    from .test_conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
-except ImportError:
-    from test_conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
 KEY = 7713765376809813936
 

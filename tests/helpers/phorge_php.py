@@ -18,10 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-try:  # tests/integration as a package or as a plain directory on sys.path
-    from .phorge_env import Phorge, kill
-except ImportError:
-    from phorge_env import Phorge, kill
+from phorge_env import Phorge, kill
 
 INT_FIELDS = (
     "id",
