@@ -198,3 +198,22 @@ def test_failed_install_leaves_no_temporary_file(
     with pytest.raises(OSError):
         install(root)
     assert list((root / "src" / "extensions").iterdir()) == []
+
+
+def test_the_cli_installs_and_checks_the_extension(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from bridge.cli import main
+
+    root = fake_phorge(tmp_path / "phorge")
+    runner = CliRunner()
+    command = ["phorge", "install-extension", "--phorge-root", str(root)]
+    missing = runner.invoke(main, [*command, "--check"])
+    assert (missing.exit_code, "not installed" in missing.output) == (1, True)
+    installed = runner.invoke(main, command)
+    assert installed.exit_code == 0 and EXTENSION_FILENAME in installed.output
+    assert runner.invoke(main, [*command, "--check"]).exit_code == 0
+    not_phorge = runner.invoke(
+        main, ["phorge", "install-extension", "--phorge-root", str(tmp_path)]
+    )
+    assert not_phorge.exit_code == 1 and "does not look like a Phorge checkout" in not_phorge.output
