@@ -111,3 +111,31 @@ def test_settings_hides_secrets(cli, monkeypatch, tmp_path):
     assert "api-" + "s" * 28 not in out
     assert "BRIDGE_CONDUIT_TOKEN=(set, hidden)" in out
     assert "bridge:" not in out.split("BRIDGE_DATABASE_URL=")[1].split("\n")[0]
+
+
+def test_doctor_lists_served_classes_and_warns_about_running_taskmasters(cli, mysql_engine):
+    invoke, queue = cli
+    queue.enqueue("PhabricatorTestWorker", {})
+    queue.enqueue("PhabricatorSearchWorker", {})
+    out = invoke("doctor")
+    assert "served by the bridge: PhabricatorTestWorker" in out
+    assert "left to PHP (no handler, or excluded): PhabricatorSearchWorker" in out
+
+    # Phorge's daemon log lives beside the worker database: {namespace}_daemon.
+    daemon_db = mysql_engine.url.database.rsplit("_", 1)[0] + "_daemon"
+    with mysql_engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE `{daemon_db}`")
+    try:
+        with mysql_engine.begin() as conn:
+            conn.exec_driver_sql(
+                f"CREATE TABLE `{daemon_db}`.daemon_log (daemon VARCHAR(255), status VARCHAR(8))"
+            )
+            conn.exec_driver_sql(
+                f"INSERT INTO `{daemon_db}`.daemon_log VALUES"
+                " ('PhabricatorTaskmasterDaemon', 'run'), ('PhabricatorTaskmasterDaemon', 'exit'),"
+                " ('PhabricatorTriggerDaemon', 'run')"
+            )
+        assert "warning: 1 PHP taskmaster(s) are running" in invoke("doctor")
+    finally:
+        with mysql_engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE `{daemon_db}`")
