@@ -7,9 +7,7 @@ PHP is played by a raw MySQLdb connection running Phorge's own statements.
 from __future__ import annotations
 
 import json
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
 import MySQLdb
@@ -17,6 +15,7 @@ import MySQLdb.cursors
 import pytest
 from sqlalchemy import Engine, event, func, select, update
 from sqlalchemy.exc import DataError
+from threads import run_together
 
 from bridge.dialect import db_now
 from bridge.handlers.base import FollowUp
@@ -90,19 +89,6 @@ def php_schedule_task(conn: MySQLdb.Connection, task_class: str, data) -> int:
     epoch = int(time.time())
     cursor.execute(PHP_INSERT_TASK, (task_id, task_class, data_id, epoch, epoch))
     return task_id
-
-
-def run_together(*workers) -> list:
-    """Run the callables in threads, released at once; returns their results in order."""
-    barrier = threading.Barrier(len(workers))
-
-    def start(work):
-        barrier.wait()
-        return work()
-
-    with ThreadPoolExecutor(len(workers)) as pool:
-        futures = [pool.submit(start, work) for work in workers]
-        return [future.result() for future in futures]
 
 
 def test_ids_interleave_with_a_php_writer_on_another_connection(q):

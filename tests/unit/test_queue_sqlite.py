@@ -5,13 +5,13 @@ Each thread gets its own engine from ``make_engine``, as separate processes woul
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 from sqlalchemy import select, update
+from threads import run_together
 
 from bridge.model import NewTask, new_owner
 from bridge.queue import PhorgeQueue, make_engine
@@ -38,17 +38,6 @@ def queues(url):
     yield make
     for queue in made:
         queue.engine.dispose()
-
-
-def run_together(*workers) -> list:
-    barrier = threading.Barrier(len(workers))
-
-    def start(work):
-        barrier.wait()
-        return work()
-
-    with ThreadPoolExecutor(len(workers)) as pool:
-        return [f.result() for f in [pool.submit(start, work) for work in workers]]
 
 
 def test_the_clock_is_epoch_seconds(queues):
