@@ -1,5 +1,16 @@
-"""Where ``celery -A bridge`` finds the app (Celery looks up ``<package>.celery``)."""
+"""The Celery app, where ``celery -A bridge`` looks for it (Celery's ``proj/celery.py``).
 
-from bridge.app import app
+Celery's settings come from ``bridge.runtime.celeryconfig``, or from the module named
+by ``CELERY_CONFIG_MODULE`` (which can star-import ours and override a few). They are
+loaded here, at once, so a bad ``BRIDGE_*`` setting stops ``celery`` at start, naming
+the setting, before any connection is made.
+"""
 
-__all__ = ["app"]
+from celery import Celery
+
+app = Celery(
+    "bridge",
+    include=["bridge.runtime.poller", "bridge.runtime.execute", "bridge.runtime.lifecycle"],
+)
+app.config_from_object("bridge.runtime.celeryconfig", force=True)
+app.config_from_envvar("CELERY_CONFIG_MODULE", silent=True, force=True)

@@ -7,30 +7,40 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 QUEUE_NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")
+QUEUE_NAME_RULE = "letters, digits and _ . : -"
+
+Rule = tuple[str, str]  # (glob of task classes, queue)
+
+
+def parse_queue_name(text: str) -> str:
+    """A queue name as given; raises ValueError for one a broker may not accept."""
+    if not QUEUE_NAME.match(text):
+        raise ValueError(f"malformed queue name {text!r}; use {QUEUE_NAME_RULE}")
+    return text
+
+
+def parse_rules(text: str) -> tuple[Rule, ...]:
+    """Parse ``'PhabricatorSearchWorker=search,*Mail*=mail'``; raises ValueError."""
+    rules = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        pattern, sep, queue = (s.strip() for s in part.partition("="))
+        if not sep or not pattern or not QUEUE_NAME.match(queue):
+            raise ValueError(
+                f"malformed rule {part!r}; expected 'glob=queue' with a queue name of "
+                f"{QUEUE_NAME_RULE}"
+            )
+        rules.append((pattern, queue))
+    return tuple(rules)
 
 
 @dataclass(frozen=True)
 class Router:
     """Ordered ``(glob, queue)`` rules; the first rule matching a class wins."""
 
-    rules: tuple[tuple[str, str], ...]
+    rules: tuple[Rule, ...]
     default_queue: str
-
-    @classmethod
-    def parse(cls, text: str, default_queue: str) -> Router:
-        """Parse ``'PhabricatorSearchWorker=search,*Mail*=mail'``; raises ValueError."""
-        rules = []
-        for part in (p.strip() for p in text.split(",")):
-            if not part:
-                continue
-            pattern, sep, queue = (s.strip() for s in part.partition("="))
-            if not sep or not pattern or not QUEUE_NAME.match(queue):
-                raise ValueError(
-                    f"malformed rule {part!r}; expected 'glob=queue' with a queue name "
-                    "of letters, digits and _ . : -"
-                )
-            rules.append((pattern, queue))
-        return cls(tuple(rules), default_queue)
 
     def queue_for(self, task_class: str) -> str:
         for pattern, queue in self.rules:

@@ -18,9 +18,11 @@ fi
 bash $services start
 eval "$(bash $services env)"
 
-# Lint failures fail the run too, but only after the tests have had their say.
+# Lint failures (style, and the package's layers) fail the run too, but only after
+# the tests have had their say.
 lint=0
 $python -m ruff check . || lint=$?
+lint-imports --no-cache || lint=$?
 status=0
 $python -m pytest "$@" || status=$?
 ((status)) || status=$lint

@@ -20,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 import pytest
 import sqlalchemy as sa
 
-from bridge.schema import metadata
+from bridge.queue.schema import metadata
 
 # What Phorge runs with: strict mode, UTC; utf8mb4 like its tables.
 MYSQL_CONNECT_ARGS = {

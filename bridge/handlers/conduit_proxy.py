@@ -12,9 +12,17 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
-from bridge.conduit import (
+from bridge.handlers.api import (
+    Handler,
+    PermanentFailure,
+    TaskContext,
+    TemporaryFailure,
+    Yield,
+    stored_data,
+)
+from bridge.phorge.conduit import (
     ConduitAuthError,
     ConduitClient,
     ConduitError,
@@ -22,19 +30,16 @@ from bridge.conduit import (
     ConduitTimeoutError,
     ConduitTransportError,
 )
-from bridge.handlers.base import Handler, PermanentFailure, TaskContext, TemporaryFailure, Yield
-from bridge.model import DEFAULT_RETRY_WAIT
+from bridge.queue.model import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_RETRY_WAIT,
+    MIN_YIELD_SECONDS,
+    Outcome,
+)
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXECUTE = "worker.execute"
-
-RESULT_SUCCESS = "success"
-RESULT_YIELD = "yield"
-RESULT_PERMANENT_FAILURE = "permanent-failure"
-RESULT_FAILURE = "failure"
-
-MIN_YIELD = 5  # Phorge's floor on a yield (PhabricatorWorkerActiveTask::executeTask)
 
 ERR_READ_ONLY = "ERR-BRIDGE-READ-ONLY"  # raised by the extension in read-only mode
 READ_ONLY_YIELD = 300
@@ -50,8 +55,6 @@ PHORGE_REQUIRED_LEASES: Mapping[str, int] = {
     "HarbormasterTargetWorker": 24 * 3600,
 }
 
-PHORGE_DEFAULT_LEASE = 2 * 3600  # PhabricatorWorkerLeaseQuery::getDefaultLeaseDuration()
-
 # Stop waiting for PHP a little before the lease runs out, so the outcome can still be
 # recorded under it.
 LEASE_MARGIN = 60
@@ -63,21 +66,20 @@ def raw_task_data(task: TaskContext) -> str:
     PHP must decode the very bytes Phorge stored; re-encoding is only a fallback (it is
     lossless for JSON's values, Python ints being exact).
     """
-    if isinstance(task.rawData, str):
-        return task.rawData
-    return json.dumps(task.data)
+    raw = stored_data(task)
+    return raw if isinstance(raw, str) else json.dumps(task.data)
 
 
 def execute_params(task: TaskContext) -> dict[str, Any]:
     """The ``worker.execute`` parameters for one leased task."""
     return {
         "taskID": task.id,
-        "taskClass": task.taskClass,
+        "taskClass": task.task_class,
         "data": raw_task_data(task),
-        "failureCount": task.failureCount,
+        "failureCount": task.failure_count,
         "priority": task.priority,
-        "objectPHID": task.objectPHID,
-        "containerPHID": task.containerPHID,
+        "objectPHID": task.object_phid,
+        "containerPHID": task.container_phid,
     }
 
 
@@ -125,27 +127,30 @@ def _queue_followups(task: TaskContext, followups: Any) -> None:
 
 
 def apply_result(task: TaskContext, result: Any) -> None:
-    """Turn a ``worker.execute`` result into the handler outcome (return or raise)."""
+    """Turn a ``worker.execute`` result into the handler outcome (return or raise).
+
+    Its ``result`` is one of the queue's :class:`Outcome` values, as the extension sends.
+    """
     if not isinstance(result, dict):
         raise TemporaryFailure(f"worker.execute returned {type(result).__name__}, not a dict")
     for warning in result.get("warnings") or ():
-        logger.warning("task %s (%s): Phorge: %s", task.id, task.taskClass, warning)
+        logger.warning("task %s (%s): Phorge: %s", task.id, task.task_class, warning)
     outcome = result.get("result")
     message = result.get("message") or ""
-    if outcome == RESULT_SUCCESS:
+    if outcome == Outcome.SUCCESS:
         logger.debug(
-            "task %s (%s): PHP ran it in %s us", task.id, task.taskClass, result.get("duration")
+            "task %s (%s): PHP ran it in %s us", task.id, task.task_class, result.get("duration")
         )
         _queue_followups(task, result.get("followups"))
         return
-    if outcome == RESULT_YIELD:
+    if outcome == Outcome.YIELD:
         seconds = _optional_int(result.get("yieldDuration")) or 0
-        raise Yield(max(seconds, MIN_YIELD))
-    if outcome == RESULT_PERMANENT_FAILURE:
+        raise Yield(max(seconds, MIN_YIELD_SECONDS))
+    if outcome == Outcome.PERMANENT_FAILURE:
         raise PermanentFailure(message or "permanent failure (no message)")
-    if outcome == RESULT_FAILURE:
+    if outcome == Outcome.FAILURE:
         raise TemporaryFailure(
-            message or "failure (no message)", wait=_optional_int(result.get("retryWait"))
+            message or "failure (no message)", delay=_optional_int(result.get("retryWait"))
         )
     logger.error("task %s: worker.execute returned unknown result %r", task.id, outcome)
     raise TemporaryFailure(f"worker.execute returned an unknown result: {outcome!r}")
@@ -157,7 +162,7 @@ def conduit_failure(
     """The outcome for a Conduit problem (never permanent), logged as loudly as it deserves."""
     if exc.error_code == ERR_READ_ONLY:
         # Phorge cannot run anything now; the task is not at fault, so no failure is counted.
-        logger.warning("task %s (%s): Phorge is read-only; yielding", task.id, task.taskClass)
+        logger.warning("task %s (%s): Phorge is read-only; yielding", task.id, task.task_class)
         return Yield(READ_ONLY_YIELD, str(exc))
     if isinstance(exc, ConduitAuthError):
         logger.error(
@@ -166,7 +171,7 @@ def conduit_failure(
             "API token of an administrator account): %s",
             exc.error_code,
             task.id,
-            task.taskClass,
+            task.task_class,
             exc.error_info,
         )
         return TemporaryFailure(str(exc))
@@ -177,28 +182,25 @@ def conduit_failure(
             client.base_url,
             exc.method,
             task.id,
-            task.taskClass,
+            task.task_class,
         )
         return TemporaryFailure(str(exc))
     if isinstance(exc, ConduitTimeoutError):
         # PHP may still be running the worker; the retry wait keeps a second run apart.
         return TemporaryFailure(f"{exc} (the work may still be running in PHP)")
     if isinstance(exc, ConduitTransportError):
-        logger.warning("task %s (%s): %s", task.id, task.taskClass, exc)
+        logger.warning("task %s (%s): %s", task.id, task.task_class, exc)
         return TemporaryFailure(str(exc))
-    logger.warning("task %s (%s): %s", task.id, task.taskClass, exc)
+    logger.warning("task %s (%s): %s", task.id, task.task_class, exc)
     return TemporaryFailure(str(exc))
 
 
 class ConduitProxyHandler(Handler):
     """Serves every task class without a native handler by calling Phorge's worker.execute.
 
-    The runtime makes it the registry's fallback once Conduit is configured; hence no
-    ``task_classes`` of its own (``serves_any_class`` says so to readers and tools).
+    ``build_registry`` makes it the registry's fallback once Conduit is configured; it
+    claims no ``task_classes`` of its own, so native handlers always come first.
     """
-
-    task_classes: ClassVar[tuple[str, ...]] = ()
-    serves_any_class: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -210,7 +212,7 @@ class ConduitProxyHandler(Handler):
         self.leases: dict[str, int] = {**PHORGE_REQUIRED_LEASES, **(lease_overrides or {})}
 
     def required_lease(self, task: TaskContext) -> int | None:
-        return self.leases.get(task.taskClass)
+        return self.leases.get(task.task_class)
 
     def wait_before_retry(self, task: TaskContext) -> int | None:
         # Phorge's flat wait when PHP could not say (transport, auth): the native backoff
@@ -239,11 +241,11 @@ class ConduitProxyHandler(Handler):
             return
         wanted = _optional_int(result.get("requiredLease"))
         held = self.required_lease(task)
-        if wanted is not None and wanted > (held if held is not None else PHORGE_DEFAULT_LEASE):
+        if wanted is not None and wanted > (held if held is not None else DEFAULT_LEASE_SECONDS):
             logger.warning(
                 "%s declares a required lease of %ss but the bridge held %s; add it to the "
                 "proxy's lease overrides so a long run is not leased twice",
-                task.taskClass,
+                task.task_class,
                 wanted,
                 f"{held}s" if held is not None else "the default lease",
             )

@@ -9,17 +9,15 @@ receivers cannot tell the difference.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Iterable, Mapping
-from decimal import Decimal
-from typing import Any, ClassVar
+from typing import Any
 from urllib.parse import urlsplit
 
 import requests
 
-from bridge.conduit import ConduitClient, ConduitError
-from bridge.handlers.base import Handler, PermanentFailure, TaskContext, TemporaryFailure
+from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure
 from bridge.handlers.conduit_proxy import conduit_failure
+from bridge.phorge.conduit import ConduitClient, ConduitError
+from bridge.phorge.php import PHP_PRECISION, http_build_query
 
 logger = logging.getLogger(__name__)
 
@@ -28,109 +26,7 @@ FEED_STORY_METHOD = "worker.feedstory"
 HOOK_TIMEOUT = 30.0  # FeedPublisherHTTPWorker: setTimeout(30)
 MAX_CLIENT_ERROR_ATTEMPTS = 3
 MAX_RETRY_WAIT = 3600
-# PHP's default "precision" ini setting, which http_build_query() uses for floats.
-PHP_PRECISION = 14
 USER_AGENT = "phorge-bridge (FeedPublisherHTTPWorker)"
-
-# PHP's urlencode() (RFC 1738 flavour) leaves only these bytes alone and turns a space
-# into "+"; everything else, "~" included, becomes an upper-case %XX.
-_URLENCODE_TABLE = [
-    chr(b) if chr(b).isascii() and (chr(b).isalnum() or chr(b) in "-_.") else f"%{b:02X}"
-    for b in range(256)
-]
-_URLENCODE_TABLE[0x20] = "+"
-
-
-def php_urlencode(value: str | bytes) -> str:
-    """PHP's ``urlencode()`` of a UTF-8 string."""
-    data = value.encode("utf-8") if isinstance(value, str) else value
-    return "".join(_URLENCODE_TABLE[b] for b in data)
-
-
-def php_float_to_string(value: float, precision: int = PHP_PRECISION) -> str:
-    """A float as PHP's ``%.*G`` (php_gcvt) writes it, e.g. ``1.0E+25``, ``0.1``, ``-0``.
-
-    ``precision`` is PHP's ``precision`` ini setting (14 by default; -1 = shortest).
-    """
-    if math.isnan(value):
-        return "NAN"
-    if math.isinf(value):
-        return "INF" if value > 0 else "-INF"
-    if precision == 0 or precision < -1:
-        raise ValueError(f"unsupported PHP precision {precision}")
-    negative = math.copysign(1.0, value) < 0
-    magnitude = abs(value)
-    if magnitude == 0:
-        digits, decpt = "0", 1
-    else:
-        # Mode 2 of zend_dtoa: correctly rounded to `precision` significant digits;
-        # mode 0 (precision -1): the shortest digits that read back as the same double.
-        text = repr(magnitude) if precision == -1 else f"{magnitude:.{precision - 1}e}"
-        _sign, digit_tuple, exponent = Decimal(text).as_tuple()
-        digits = "".join(map(str, digit_tuple)).rstrip("0") or "0"
-        decpt = len(digit_tuple) + int(exponent)
-    ndigit = 17 if precision == -1 else precision
-    if (decpt < -3) if decpt < 0 else (decpt > ndigit):
-        exponent_value = decpt - 1
-        mantissa = digits[0] + "." + (digits[1:] or "0")
-        text = f"{mantissa}E{'-' if exponent_value < 0 else '+'}{abs(exponent_value)}"
-    elif decpt < 0:
-        text = "0." + "0" * -decpt + digits
-    else:
-        whole = digits[:decpt].ljust(decpt, "0") or "0"
-        fraction = digits[decpt:]
-        text = f"{whole}.{fraction}" if fraction else whole
-    return "-" + text if negative else text
-
-
-def _php_scalar(value: Any, precision: int) -> str | None:
-    """A leaf value as http_build_query writes it; None means "left out" (PHP null)."""
-    if value is None:
-        return None
-    if value is True:
-        return "1"
-    if value is False:
-        return "0"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return php_float_to_string(value, precision)
-    if isinstance(value, str | bytes):
-        return value if isinstance(value, str) else value.decode("utf-8")
-    raise TypeError(f"http_build_query: cannot encode {type(value).__name__}")
-
-
-def _items(value: Mapping[Any, Any] | list[Any] | tuple[Any, ...]) -> Iterable[tuple[Any, Any]]:
-    # A JSON array is a PHP list: its keys are the indexes.
-    return value.items() if isinstance(value, Mapping) else enumerate(value)
-
-
-def _key(key: Any) -> str:
-    if key is True or key is False:
-        return "1" if key else "0"
-    return str(key)
-
-
-def _append(parts: list[str], prefix: str, value: Any, precision: int) -> None:
-    if isinstance(value, Mapping | list | tuple):
-        for key, child in _items(value):
-            _append(parts, f"{prefix}%5B{php_urlencode(_key(key))}%5D", child, precision)
-        return
-    text = _php_scalar(value, precision)
-    if text is not None:
-        parts.append(f"{prefix}={php_urlencode(text)}")
-
-
-def http_build_query(data: Mapping[Any, Any] | list[Any], *, precision: int = PHP_PRECISION) -> str:
-    """PHP's ``http_build_query($data, '', '&')`` (RFC 1738) for JSON-shaped data.
-
-    Nested arrays become ``key[sub]=...`` with the brackets encoded (``%5B``/``%5D``), true
-    and false become 1 and 0, null and empty arrays are left out.
-    """
-    parts: list[str] = []
-    for key, value in _items(data):
-        _append(parts, php_urlencode(_key(key)), value, precision)
-    return "&".join(parts)
 
 
 def redact_uri(uri: str) -> str:
@@ -169,7 +65,7 @@ def _story_key(data: Any) -> str:
 class FeedPublisherHTTPHandler(Handler):
     """Delivers one feed story to one ``feed.http-hooks`` URI, as Phorge's worker would."""
 
-    task_classes: ClassVar[tuple[str, ...]] = (TASK_CLASS,)
+    task_classes = (TASK_CLASS,)
 
     def __init__(
         self,
@@ -187,7 +83,7 @@ class FeedPublisherHTTPHandler(Handler):
         self.precision = precision
 
     def wait_before_retry(self, task: TaskContext) -> int | None:
-        return retry_wait(task.failureCount + 1)
+        return retry_wait(task.failure_count + 1)
 
     def fetch_story(self, task: TaskContext, key: str) -> dict[str, Any]:
         try:
@@ -235,9 +131,9 @@ class FeedPublisherHTTPHandler(Handler):
 
     def deliver(self, task: TaskContext, uri: str, body: str) -> None:
         """POST the body once and classify the answer; raises unless it is a 2xx."""
-        attempt = task.failureCount + 1
+        attempt = task.failure_count + 1
         shown = redact_uri(uri)
-        wait = retry_wait(attempt)
+        delay = retry_wait(attempt)
         try:
             response = self.session.post(
                 uri,
@@ -261,7 +157,7 @@ class FeedPublisherHTTPHandler(Handler):
                 type(exc).__name__,
             )
             raise TemporaryFailure(
-                f"feed hook POST {shown} {kind}: {type(exc).__name__}", wait=wait
+                f"feed hook POST {shown} {kind}: {type(exc).__name__}", delay=delay
             ) from None
         try:
             status = response.status_code
@@ -278,8 +174,8 @@ class FeedPublisherHTTPHandler(Handler):
             return
         if status >= 500 or status == 429:
             if retry_after is not None:
-                wait = min(max(wait, retry_after), MAX_RETRY_WAIT)
-            raise TemporaryFailure(f"feed hook POST {shown}: HTTP {status}", wait=wait)
+                delay = min(max(delay, retry_after), MAX_RETRY_WAIT)
+            raise TemporaryFailure(f"feed hook POST {shown}: HTTP {status}", delay=delay)
         # Redirects (not followed, as the body would be lost or re-sent elsewhere) and the
         # other 4xx: the endpoint rejects this request, but give it a few chances in case
         # the receiver is being redeployed.
@@ -288,4 +184,4 @@ class FeedPublisherHTTPHandler(Handler):
             raise PermanentFailure(
                 f"feed hook POST {shown}: {detail} (attempt {attempt}, giving up)"
             )
-        raise TemporaryFailure(f"feed hook POST {shown}: {detail}", wait=wait)
+        raise TemporaryFailure(f"feed hook POST {shown}: {detail}", delay=delay)

@@ -3,33 +3,66 @@
 Native handlers come from the ``phorge_bridge.handlers`` entry-point group, so other
 packages can ship theirs; every other class goes to the Conduit proxy once it is
 configured. Include/exclude globs narrow both.
+
+An entry point names one of:
+
+- a :class:`Handler` subclass, instantiated without arguments;
+- a :class:`Handler` instance, such as a function decorated with ``@handler``;
+- a factory ``factory(settings: Settings, conduit: ConduitClient | None)`` returning a
+  Handler or an iterable of them: it gets what the built-in handlers get, the settings
+  and the Conduit client (None when ``BRIDGE_CONDUIT_URL`` is not set).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 from importlib.metadata import entry_points
 
-from bridge.handlers.base import Handler
+from bridge.config import Settings
+from bridge.errors import BridgeError, DuplicateHandlerError
+from bridge.handlers.api import Handler
+from bridge.handlers.conduit_proxy import ConduitProxyHandler
+from bridge.handlers.feed import FeedPublisherHTTPHandler
+from bridge.phorge.conduit import ConduitClient
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "phorge_bridge.handlers"
 
+HandlerFactory = Callable[[Settings, ConduitClient | None], Handler | Iterable[Handler]]
 
-def discover() -> list[Handler]:
-    """Instantiate every handler class published in the entry-point group."""
+
+def instantiate(
+    published: object, settings: Settings, conduit: ConduitClient | None
+) -> list[Handler]:
+    """The handlers an entry point's object stands for (see the module's docstring)."""
+    if isinstance(published, Handler):
+        made: object = published
+    elif isinstance(published, type) and issubclass(published, Handler):
+        made = published()
+    elif callable(published):
+        made = published(settings, conduit)
+    else:
+        raise BridgeError(f"{published!r} is not a Handler, a Handler subclass or a factory")
+    handlers = list(made) if isinstance(made, Iterable) else [made]
+    for item in handlers:
+        if not isinstance(item, Handler):
+            raise BridgeError(f"{published!r} made {item!r}, which is not a Handler")
+    return handlers
+
+
+def discover(settings: Settings, conduit: ConduitClient | None) -> list[Handler]:
+    """Every handler published in the entry-point group."""
     handlers = []
     for entry in entry_points(group=ENTRY_POINT_GROUP):
-        handler_class = entry.load()
-        handlers.append(handler_class())
-        log.debug("handler %s from %s", entry.name, entry.value)
+        handlers += instantiate(entry.load(), settings, conduit)
+        log.debug("handlers of %s from %s", entry.name, entry.value)
     return handlers
 
 
 class Registry:
-    """Maps a task class to the handler that serves it."""
+    """Maps a task class to the handler that serves it; one handler per class."""
 
     def __init__(
         self,
@@ -42,7 +75,12 @@ class Registry:
         self.native: dict[str, Handler] = {}
         for handler in handlers:
             for task_class in handler.task_classes:
-                self.native[task_class] = handler
+                claimed = self.native.setdefault(task_class, handler)
+                if claimed is not handler:
+                    raise DuplicateHandlerError(
+                        f"{task_class} is claimed by two handlers: {claimed.name} and "
+                        f"{handler.name}; uninstall one, or publish only one of them"
+                    )
         self.fallback = fallback
         self.include = tuple(include)
         self.exclude = tuple(exclude)
@@ -60,3 +98,21 @@ class Registry:
 
     def runnable(self, task_classes: Iterable[str]) -> list[str]:
         return [c for c in task_classes if self.handler_for(c) is not None]
+
+
+def build_registry(settings: Settings) -> Registry:
+    """The registry this process serves with: published handlers, and, once Conduit is
+    configured, the native feed hook and the proxy for every other class (without it,
+    those classes stay queued for PHP)."""
+    conduit = ConduitClient.from_settings(settings.conduit) if settings.conduit else None
+    handlers = discover(settings, conduit)
+    fallback = None
+    if conduit is not None:
+        handlers.append(FeedPublisherHTTPHandler(conduit))
+        fallback = ConduitProxyHandler(conduit)
+    return Registry(
+        handlers,
+        fallback=fallback,
+        include=settings.handlers_include,
+        exclude=settings.handlers_exclude,
+    )

@@ -32,11 +32,11 @@ import pytest
 from kombu import Connection
 from sqlalchemy import Engine, func, select
 
-from bridge.model import NewTask
 from bridge.queue import PhorgeQueue, make_engine
-from bridge.schema import worker_activetask as active
-from bridge.schema import worker_archivetask as archive
-from bridge.schema import worker_taskdata as taskdata
+from bridge.queue.model import NewTask, TaskFilter
+from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
+from bridge.queue.schema import worker_taskdata as taskdata
 
 T = TypeVar("T")
 PLUGIN = Path(__file__).with_name("recording_handlers.py")
@@ -275,6 +275,10 @@ class Bridge:
     def diagnose(self) -> str:
         """What to show when a wait fails: the database's view and each process's log tail."""
         parts = [f"active: {self.count(active)}, archived: {self.count(archive)}"]
+        parts += [
+            f"  {t.label} {t.state.value} owner={t.leaseOwner} failures={t.failureCount}"
+            for t in self.queue.list(TaskFilter(active=True, limit=20))
+        ]
         parts += [f"--- {p.name} (pid {p.pid}) ---\n{p.tail()}" for p in self.processes]
         return "\n".join(parts)
 

@@ -7,7 +7,9 @@ exactly as it would a third-party package's handlers.
 
 It behaves like ``PhabricatorTestWorker`` (same data keys) for the classes ``RecordedA``,
 ``RecordedB`` and ``RecordedC``, plus ``failTimes`` (fail temporarily while the task's
-failure count is below it). Each run appends a JSON line to ``$PHORGE_BRIDGE_TEST_RECORD_FILE``
+failure count is below it) and ``yieldFirst`` (yield that many seconds on the first run,
+however late it starts: a deadline set at enqueue would depend on start-up time).
+Each run appends a JSON line to ``$PHORGE_BRIDGE_TEST_RECORD_FILE``
 when it starts and when it ends, naming the worker (``$PHORGE_BRIDGE_TEST_WORKER``) and the
 process that ran it.
 """
@@ -18,8 +20,15 @@ import json
 import os
 import time
 
-from bridge.handlers.base import TaskContext
-from bridge.handlers.test_worker import PhabricatorTestWorker
+from bridge.handlers.api import TaskContext, Yield
+from bridge.handlers.phabricator import PhabricatorTestWorker
+
+
+def runs_so_far(task_id: int) -> int:
+    """How many runs of ``task_id`` have started, from the record file."""
+    with open(os.environ["PHORGE_BRIDGE_TEST_RECORD_FILE"], encoding="utf-8") as lines:
+        starts = (json.loads(line) for line in lines)
+        return sum(1 for r in starts if r["event"] == "start" and r["id"] == task_id)
 
 
 def record(event: str, task: TaskContext) -> None:
@@ -27,8 +36,8 @@ def record(event: str, task: TaskContext) -> None:
         {
             "event": event,
             "id": task.id,
-            "taskClass": task.taskClass,
-            "failureCount": task.failureCount,
+            "taskClass": task.task_class,
+            "failureCount": task.failure_count,
             "worker": os.environ.get("PHORGE_BRIDGE_TEST_WORKER", "?"),
             "pid": os.getpid(),
             "time": time.time(),
@@ -50,9 +59,11 @@ class RecordingTestWorker(PhabricatorTestWorker):
     def run(self, task: TaskContext) -> None:
         record("start", task)
         data = task.data if isinstance(task.data, dict) else {}
-        if task.failureCount < data.get("failTimes", 0):
+        if task.failure_count < data.get("failTimes", 0):
             raise RuntimeError(
-                f"failing on purpose ({task.failureCount + 1} of {data['failTimes']})"
+                f"failing on purpose ({task.failure_count + 1} of {data['failTimes']})"
             )
+        if "yieldFirst" in data and runs_so_far(task.id) == 1:
+            raise Yield(data["yieldFirst"])
         super().run(task)
         record("end", task)

@@ -33,12 +33,12 @@ from conduit_fakes import (
 )
 from sqlalchemy import Engine, func, select, update
 
-from bridge.dialect import db_now
-from bridge.model import RESULT_FAILURE, RESULT_SUCCESS, YIELD_OWNER
-from bridge.schema import lisk_counter, metadata
-from bridge.schema import worker_activetask as active
-from bridge.schema import worker_archivetask as archive
-from bridge.schema import worker_taskdata as taskdata
+from bridge.queue.dialect import db_now
+from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS, YIELD_OWNER
+from bridge.queue.schema import lisk_counter, metadata
+from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
+from bridge.queue.schema import worker_taskdata as taskdata
 
 READ_TIMEOUT = 1  # BRIDGE_CONDUIT_READ_TIMEOUT
 SLOW_REPLY = READ_TIMEOUT + 2  # the fake's delay for ProxySlow

@@ -2,6 +2,8 @@
 
 Each process must exit non-zero within seconds, naming the setting on stderr. The
 services in the URLs are never contacted: the check comes before any connection.
+Loading ``bridge.celery`` raises the ConfigError; Celery's CLI reports that the app
+could not be loaded and ends with the exception's line: ``...ConfigError: NAME: problem``.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def test_a_bad_setting_is_refused_at_start_with_its_name(
     )
     assert done.returncode != 0
     assert time.monotonic() - started < START_TIMEOUT / 2
+    assert "Unable to load celery application" in done.stderr
     message = done.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"phorge-bridge: configuration error: {setting}:"), done.stderr
+    assert message.startswith(f"bridge.errors.ConfigError: {setting}: "), done.stderr
     assert accepted in message
     assert list(tmp_path.iterdir()) == [], "the refused process left files behind"

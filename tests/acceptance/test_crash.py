@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from bridge.model import RESULT_SUCCESS
-from bridge.schema import worker_activetask as active
+from bridge.queue.model import RESULT_SUCCESS
+from bridge.queue.schema import worker_activetask as active
 
 TASK_SECONDS = 3
 DISPATCH_LEASE = "6"  # short, so a lost message only delays the task a few seconds

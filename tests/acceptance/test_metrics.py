@@ -7,7 +7,7 @@ import socket
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.model import RESULT_FAILURE, RESULT_SUCCESS
+from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS
 
 
 def free_port() -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bridge.model import RESULT_SUCCESS
-from bridge.schema import worker_activetask as active
+from bridge.queue.model import RESULT_SUCCESS
+from bridge.queue.schema import worker_activetask as active
 
 TASKS_PER_CLASS = 500
 

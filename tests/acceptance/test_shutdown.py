@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 
-from bridge.model import RESULT_SUCCESS
+from bridge.queue.model import RESULT_SUCCESS
 
 DISPATCH_LEASE = 60  # the hand-back, not an expiry, must be what frees the leases
 RUNNING_SECONDS = 3

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bridge.model import RESULT_SUCCESS
+from bridge.queue.model import RESULT_SUCCESS
 
 TASKS = 300
 

@@ -8,9 +8,9 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from bridge.cli import main
-from bridge.model import RESULT_CANCELLED, new_owner
+from bridge.cli.main import main
 from bridge.queue import PhorgeQueue
+from bridge.queue.model import RESULT_CANCELLED, new_owner
 
 
 @pytest.fixture

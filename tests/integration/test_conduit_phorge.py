@@ -23,11 +23,12 @@ import pytest
 import requests
 from phorge_env import Phorge, phorge_root, php_server
 
-from bridge.conduit import ConduitAuthError, ConduitClient
-from bridge.handlers.base import PermanentFailure, TaskContext, TemporaryFailure
+from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
-from bridge.handlers.feed import FeedPublisherHTTPHandler, http_build_query
-from bridge.phorge_extension import check, install
+from bridge.handlers.feed import FeedPublisherHTTPHandler
+from bridge.phorge.conduit import ConduitAuthError, ConduitClient
+from bridge.phorge.extension import check, install
+from bridge.phorge.php import http_build_query
 
 # Runs inside Phorge (scripts/init/init-script.php): the test's window on Phorge's side.
 HELPER = r"""<?php
@@ -171,13 +172,13 @@ def tokens(phorge: ConduitPhorge) -> dict[str, str]:
 def proxy_task(row: dict[str, Any]) -> TaskContext:
     return TaskContext(
         id=int(row["id"]),
-        taskClass=row["taskClass"],
+        task_class=row["taskClass"],
         data=json.loads(row["data"]),
-        failureCount=int(row["failureCount"]),
+        failure_count=int(row["failureCount"]),
         priority=int(row["priority"]),
-        objectPHID=row["objectPHID"],
-        containerPHID=row["containerPHID"],
-        rawData=row["data"],
+        object_phid=row["objectPHID"],
+        container_phid=row["containerPHID"],
+        raw_data=row["data"],
     )
 
 
@@ -275,7 +276,7 @@ def test_classes_that_cannot_run_fail_permanently(
 ) -> None:
     handler = ConduitProxyHandler(phorge.client(tokens["bridgetestadmin"]))
     task = TaskContext(
-        id=1, taskClass=task_class, data={}, failureCount=0, priority=2000, rawData="{}"
+        id=1, task_class=task_class, data={}, failure_count=0, priority=2000, raw_data="{}"
     )
     with pytest.raises(PermanentFailure, match=message):
         handler.run(task)
@@ -285,12 +286,12 @@ def test_proxy_does_not_touch_the_queue(phorge: ConduitPhorge, tokens: dict[str,
     before = phorge.rows(0)
     handler = ConduitProxyHandler(phorge.client(tokens["bridgetestadmin"]))
     task = TaskContext(
-        id=10**9, taskClass="PhabricatorTestWorker", data={}, failureCount=0, priority=1,
-        rawData='{"doWork":"fail-temporary","getWaitBeforeRetry":5}',
+        id=10**9, task_class="PhabricatorTestWorker", data={}, failure_count=0, priority=1,
+        raw_data='{"doWork":"fail-temporary","getWaitBeforeRetry":5}',
     )  # fmt: skip
     with pytest.raises(TemporaryFailure) as info:
         handler.run(task)
-    assert info.value.wait == 5
+    assert info.value.delay == 5
     assert phorge.rows(0) == before
 
 
@@ -380,9 +381,9 @@ def _deliver_to_local_hook(admin: ConduitClient, key: str, expected_body: str) -
 
         task = TaskContext(
             id=1,
-            taskClass="FeedPublisherHTTPWorker",
+            task_class="FeedPublisherHTTPWorker",
             data={"key": key, "uri": uri},
-            failureCount=0,
+            failure_count=0,
             priority=2000,
         )
         FeedPublisherHTTPHandler(LocalHooks()).run(task)  # type: ignore[arg-type]

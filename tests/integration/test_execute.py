@@ -13,19 +13,21 @@ import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
+import MySQLdb
 import pytest
+from bad_rows import corrupt_data
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, event, select, update
-from sqlalchemy.exc import OperationalError
 
-from bridge import execute as execute_module
 from bridge.config import load_settings
-from bridge.dialect import db_now
-from bridge.execute import Outcome, backoff, run_task
-from bridge.handlers.base import Handler, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.api import Handler, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
-from bridge.handlers.test_worker import PhabricatorTestWorker
-from bridge.model import (
+from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue import retry as retry_module
+from bridge.queue import statements as sql
+from bridge.queue.dialect import db_now
+from bridge.queue.model import (
     PRIORITY_DEFAULT,
     RESULT_FAILURE,
     RESULT_SUCCESS,
@@ -33,11 +35,14 @@ from bridge.model import (
     TaskFilter,
     new_owner,
 )
-from bridge.queue import PhorgeQueue, make_engine
-from bridge.runtime import Runtime
-from bridge.schema import worker_activetask as active
-from bridge.schema import worker_archivetask as archive
-from bridge.schema import worker_taskdata as taskdata
+from bridge.queue.retry import DatabaseUnavailable
+from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
+from bridge.queue.schema import worker_taskdata as taskdata
+from bridge.queue.session import LeaseSession
+from bridge.runtime import execute as execute_module
+from bridge.runtime.context import Runtime
+from bridge.runtime.execute import Outcome, backoff, run_task
 
 pytestmark = pytest.mark.mariadb
 
@@ -88,19 +93,16 @@ def rt(mysql_engine: Engine, probe: Probe) -> Iterator[Runtime]:
         }
     )
     registry = Registry([PhabricatorTestWorker(), probe])
-    runtime = Runtime(settings, PhorgeQueue(make_engine(url)), registry)
+    runtime = Runtime(settings, PhorgeQueue(make_engine(url), REPORT_ATTEMPTS), registry)
     yield runtime
     runtime.queue.engine.dispose()
 
 
 @pytest.fixture
 def sleeps(monkeypatch) -> list[float]:
-    """The backoff sleeps of ``bridge.execute``, recorded instead of slept."""
+    """The backoff sleeps of the database retry policy, recorded instead of slept."""
     slept: list[float] = []
-    fake_time = SimpleNamespace(
-        sleep=slept.append, monotonic=time.monotonic, perf_counter=time.perf_counter
-    )
-    monkeypatch.setattr(execute_module, "time", fake_time)
+    monkeypatch.setattr(retry_module, "time", SimpleNamespace(sleep=slept.append))
     return slept
 
 
@@ -136,36 +138,69 @@ def now(rt: Runtime) -> int:
     return rt.queue.server_time()
 
 
-def count_commits(engine: Engine) -> list[int]:
-    """A one-item list counting COMMITs on ``engine`` from now on."""
-    commits = [0]
+class SessionCost:
+    """COMMITs and statements the per-task session sends, and pool checkouts, from now on.
 
-    def on_commit(_conn) -> None:
-        commits[0] += 1
+    Counted by the server for the session's own connection (``SHOW SESSION STATUS``),
+    so statements sent as one multi-statement round trip are all seen.
+    """
 
-    event.listen(engine, "commit", on_commit)
-    return commits
+    def __init__(self, rt: Runtime) -> None:
+        self.session = rt.queue.session
+        self.before = self._status()
+        self.checkouts = 0
+        event.listen(rt.queue.engine, "checkout", self._checked_out)
+
+    def _checked_out(self, *_args) -> None:
+        self.checkouts += 1
+
+    def _status(self) -> dict[str, int]:
+        cursor = self.session._dbapi().cursor()
+        cursor.execute("SHOW SESSION STATUS WHERE Variable_name IN ('Com_commit', 'Questions')")
+        status = {name: int(value) for name, value in cursor.fetchall()}
+        cursor.close()
+        return status
+
+    def since(self) -> dict[str, int]:
+        after = self._status()
+        # The first SHOW counts once in Questions.
+        return {
+            "commits": after["Com_commit"] - self.before["Com_commit"],
+            "statements": after["Questions"] - self.before["Questions"] - 1,
+            "checkouts": self.checkouts,
+        }
 
 
 def renewals(result: str) -> float:
     return REGISTRY.get_sample_value("phorge_bridge_lease_renewals_total", {"result": result}) or 0
 
 
-def database_blip() -> OperationalError:
-    return OperationalError("UPDATE worker_activetask ...", {}, Exception(2013, "Lost connection"))
+def database_blip() -> Exception:
+    return MySQLdb.OperationalError(2013, "Lost connection to server during query")
 
 
-def flaky(method: Callable, failures: int) -> Callable:
-    """``method``, raising a database blip on its first ``failures`` calls."""
+def flaky(method: Callable, failures: int, error: Callable[[], Exception] = database_blip):
+    """``method``, raising ``error()`` on its first ``failures`` calls."""
     calls = {"n": 0}
 
     def call(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] <= failures:
-            raise database_blip()
+            raise error()
         return method(*args, **kwargs)
 
     return call
+
+
+def flaky_statement(monkeypatch, statement, failures: int) -> None:
+    """The session's ``statement`` fails with a database blip on its first ``failures`` runs."""
+    compile_ = flaky(LeaseSession._compile, failures)
+    original = LeaseSession._compile
+    monkeypatch.setattr(
+        LeaseSession,
+        "_compile",
+        lambda self, s: compile_(self, s) if s is statement else original(self, s),
+    )
 
 
 # -- success and its cost ------------------------------------------------------------------
@@ -174,10 +209,12 @@ def flaky(method: Callable, failures: int) -> Callable:
 @pytest.mark.parametrize("inline", [True, False], ids=["data-in-message", "data-from-db"])
 def test_a_short_task_costs_one_commit_its_outcome(rt, inline):
     task = queue_and_lease(rt, TEST_WORKER, {"duration": 0})
-    commits = count_commits(rt.queue.engine)
-    outcome = run_task(rt, task.id, task.leaseOwner, task.rawData if inline else None)
+    cost = SessionCost(rt)
+    outcome = run_task(rt, task.lease, task.rawData if inline else None)
     assert outcome is Outcome.SUCCESS
-    assert commits == [1]
+    # The check, then START TRANSACTION, archive, delete, COMMIT (one round trip),
+    # on the session's own connection: no pool checkout.
+    assert cost.since() == {"commits": 1, "statements": 5, "checkouts": 0}
     [row] = archive_rows(rt, task.id)
     assert (row.result, row.leaseOwner) == (RESULT_SUCCESS, task.leaseOwner)
     assert active_row(rt, task.id) is None
@@ -188,16 +225,16 @@ def test_a_required_lease_beyond_the_dispatch_lease_is_claimed_before_running(rt
     task = queue_and_lease(rt, PROBE, seconds=60)
     seen = []
     probe.behaviour = lambda ctx: seen.append(active_row(rt, ctx.id).leaseExpires - now(rt))
-    commits = count_commits(rt.queue.engine)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    cost = SessionCost(rt)
+    assert run_task(rt, task.lease) is Outcome.SUCCESS
     assert seen[0] >= 3600 - 1
-    assert commits == [2], "one claim, one outcome"
+    assert cost.since()["commits"] == 2, "one claim, one outcome"
 
 
 def test_the_celery_task_reports_its_outcome_by_label(rt, monkeypatch):
     task = queue_and_lease(rt, TEST_WORKER)
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
-    result = execute_module.execute(task.id, task.leaseOwner, task.rawData, TEST_WORKER)
+    result = execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
     assert result == f"{TEST_WORKER}#{task.id}: success"
 
 
@@ -213,7 +250,7 @@ def test_a_message_for_a_lost_lease_changes_nothing(rt, probe, re_leased):
         assert again.id == task.id
     before = active_row(rt, task.id)
 
-    assert run_task(rt, task.id, task.leaseOwner, task.rawData) is Outcome.LEASE_LOST
+    assert run_task(rt, task.lease, task.rawData) is Outcome.LEASE_LOST
     assert probe.runs == []
     assert active_row(rt, task.id) == before
     assert archive_rows(rt, task.id) == []
@@ -227,7 +264,7 @@ def test_a_lease_lost_while_running_writes_nothing_and_queues_no_followups(rt, p
         set_active(rt, ctx.id, leaseOwner="someone-else", leaseExpires=db_now() + 300)
 
     probe.behaviour = lose_the_lease
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.LEASE_LOST
+    assert run_task(rt, task.lease) is Outcome.LEASE_LOST
     assert active_row(rt, task.id).leaseOwner == "someone-else"
     assert archive_rows(rt, task.id) == []
     assert rt.queue.list(TaskFilter(classes=[TEST_WORKER])) == []
@@ -239,7 +276,7 @@ def test_a_lease_lost_while_running_writes_nothing_and_queues_no_followups(rt, p
 def test_a_temporary_failure_waits_as_declared_and_keeps_the_owner(rt):
     data = {"doWork": "fail-temporary", "getWaitBeforeRetry": 42}
     task = queue_and_lease(rt, TEST_WORKER, data)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.FAILURE
+    assert run_task(rt, task.lease) is Outcome.FAILURE
     row = active_row(rt, task.id)
     assert (row.failureCount, row.leaseOwner) == (1, task.leaseOwner)
     assert row.leaseExpires - row.failureTime == 42
@@ -251,7 +288,7 @@ def test_a_temporary_failure_waits_as_declared_and_keeps_the_owner(rt):
 def test_without_a_declared_wait_the_backoff_doubles_up_to_its_cap(rt, failures, wait):
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary"})
     set_active(rt, task.id, failureCount=failures)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.FAILURE
+    assert run_task(rt, task.lease._replace(failure_count=failures)) is Outcome.FAILURE
     row = active_row(rt, task.id)
     assert row.leaseExpires - row.failureTime == wait
 
@@ -270,11 +307,11 @@ def test_a_temporary_failure_may_carry_its_own_wait(rt, probe):
     probe.wait = 600
 
     def fail(ctx: TaskContext) -> None:
-        raise TemporaryFailure("remote busy", wait=7)
+        raise TemporaryFailure("remote busy", delay=7)
 
     probe.behaviour = fail
     task = queue_and_lease(rt, PROBE)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.FAILURE
+    assert run_task(rt, task.lease) is Outcome.FAILURE
     row = active_row(rt, task.id)
     assert row.leaseExpires - row.failureTime == 7
 
@@ -284,7 +321,7 @@ def test_past_the_maximum_retry_count_the_task_fails_permanently_unrun(rt, failu
     data = {"doWork": "fail-temporary", "getMaximumRetryCount": 2, "getWaitBeforeRetry": 1}
     task = queue_and_lease(rt, TEST_WORKER, data)
     set_active(rt, task.id, failureCount=failures)
-    outcome = run_task(rt, task.id, task.leaseOwner)
+    outcome = run_task(rt, task.lease._replace(failure_count=failures))
     if runs:
         assert outcome is Outcome.FAILURE
         assert active_row(rt, task.id).failureCount == 3
@@ -297,7 +334,7 @@ def test_past_the_maximum_retry_count_the_task_fails_permanently_unrun(rt, failu
 def test_a_permanent_failure_is_archived_as_result_1_with_its_reason_logged(rt, caplog):
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-permanent"})
     with caplog.at_level(logging.WARNING):
-        assert run_task(rt, task.id, task.leaseOwner) is Outcome.PERMANENT_FAILURE
+        assert run_task(rt, task.lease) is Outcome.PERMANENT_FAILURE
     [row] = archive_rows(rt, task.id)
     assert (row.result, row.duration) == (RESULT_FAILURE, 0)
     assert f"task {task.id} failed permanently: Permanent failure!" in caplog.text
@@ -312,7 +349,7 @@ def test_a_yield_hands_the_task_back_for_its_duration_without_a_failure(
 
     probe.behaviour = yield_
     task = queue_and_lease(rt, PROBE)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.YIELD
+    assert run_task(rt, task.lease) is Outcome.YIELD
     row = active_row(rt, task.id)
     assert (row.leaseOwner, row.failureCount) == (YIELD_OWNER, 0)
     assert row.leaseExpires - now(rt) in (held_for, held_for - 1)
@@ -342,7 +379,7 @@ def test_an_unusable_policy_falls_back_to_the_default_and_the_run_is_reported(
         handler = rt.registry.handler_for(TEST_WORKER)
         monkeypatch.setattr(handler, broken_hook, raise_lookup_error)
     task = queue_and_lease(rt, TEST_WORKER, data)
-    assert run_task(rt, task.id, task.leaseOwner) is outcome
+    assert run_task(rt, task.lease) is outcome
     if outcome is Outcome.FAILURE:
         row = active_row(rt, task.id)
         assert row.failureCount == 1
@@ -356,17 +393,17 @@ def test_followups_are_queued_once_on_success_with_the_parents_priority(rt, prob
     def queue_two(ctx: TaskContext) -> None:
         ctx.queue_task(TEST_WORKER, {"n": 1})
         ctx.queue_task(TEST_WORKER, {"n": 2}, priority=4000)
-        if ctx.failureCount == 0:
+        if ctx.failure_count == 0:
             raise RuntimeError("first run fails after queueing")
 
     probe.behaviour = queue_two
     task = queue_and_lease(rt, PROBE, priority=1500)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.FAILURE
+    assert run_task(rt, task.lease) is Outcome.FAILURE
     assert rt.queue.list(TaskFilter(classes=[TEST_WORKER])) == [], "queued by a failed run"
 
     set_active(rt, task.id, leaseExpires=db_now() - 1)
     [again] = rt.queue.lease(1, new_owner("bridge"), 300, classes=[PROBE])
-    assert run_task(rt, again.id, again.leaseOwner) is Outcome.SUCCESS
+    assert run_task(rt, again.lease) is Outcome.SUCCESS
     followups = rt.queue.list(TaskFilter(classes=[TEST_WORKER]))
     assert sorted((t.data["n"], t.priority) for t in followups) == [(1, 1500), (2, 4000)]
     assert all(t.id > task.id and t.leaseOwner is None for t in followups)
@@ -375,7 +412,7 @@ def test_followups_are_queued_once_on_success_with_the_parents_priority(rt, prob
 def test_followups_of_a_default_priority_parent_get_the_default(rt):
     data = {"followups": [{"taskClass": PROBE, "data": {}}]}
     task = queue_and_lease(rt, TEST_WORKER, data)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    assert run_task(rt, task.lease) is Outcome.SUCCESS
     [followup] = rt.queue.list(TaskFilter(classes=[PROBE]))
     assert followup.priority == PRIORITY_DEFAULT
 
@@ -408,7 +445,7 @@ def test_unusable_task_data_fails_permanently_with_a_clear_reason(
     task = queue_and_lease(rt, PROBE, {})
     corrupt(rt, task.id, stored)
     with caplog.at_level(logging.WARNING):
-        assert run_task(rt, task.id, task.leaseOwner, inline) is Outcome.PERMANENT_FAILURE
+        assert run_task(rt, task.lease, inline) is Outcome.PERMANENT_FAILURE
     assert probe.runs == []
     [row] = archive_rows(rt, task.id)
     assert row.result == RESULT_FAILURE
@@ -417,7 +454,7 @@ def test_unusable_task_data_fails_permanently_with_a_clear_reason(
 
 def test_a_class_no_longer_served_is_handed_back_at_once(rt):
     task = queue_and_lease(rt, "PhabricatorSearchWorker")
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.NOT_SERVED
+    assert run_task(rt, task.lease) is Outcome.NOT_SERVED
     row = active_row(rt, task.id)
     assert (row.leaseOwner, row.leaseExpires) == (None, None)
 
@@ -439,7 +476,7 @@ def test_the_heartbeat_renews_the_lease_of_a_long_task(rt, probe):
             expiries.append(active_row(rt, ctx.id).leaseExpires)
 
     probe.behaviour = run_long
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    assert run_task(rt, task.lease) is Outcome.SUCCESS
     assert expiries[-1] > first_expiry + 1
     assert archive_rows(rt, task.id)[0].result == RESULT_SUCCESS
 
@@ -458,7 +495,7 @@ def test_a_renewal_that_finds_the_lease_lost_means_the_result_is_never_written(r
         set_active(rt, ctx.id, leaseExpires=db_now() + 300)
 
     probe.behaviour = lose_then_regain
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.LEASE_LOST
+    assert run_task(rt, task.lease) is Outcome.LEASE_LOST
     assert renewals("lost") == lost_before + 1
     row = active_row(rt, task.id)
     assert (row.leaseOwner, row.failureCount) == (task.leaseOwner, 0)
@@ -466,12 +503,13 @@ def test_a_renewal_that_finds_the_lease_lost_means_the_result_is_never_written(r
 
 
 def test_a_database_blip_during_a_renewal_is_retried_not_fatal(rt, probe, monkeypatch):
-    monkeypatch.setattr(rt.queue, "renew", flaky(rt.queue.renew, failures=1))
+    unavailable = lambda: DatabaseUnavailable("renew: gone")  # noqa: E731
+    monkeypatch.setattr(LeaseSession, "renew", flaky(LeaseSession.renew, 1, unavailable))
     errors_before = renewals("error")
     task = queue_and_lease(rt, PROBE, seconds=SHORT_LEASE)
     # Past the first lease: only the second beat's renewal keeps the task ours.
     probe.behaviour = lambda ctx: time.sleep(SHORT_LEASE + 0.5)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    assert run_task(rt, task.lease) is Outcome.SUCCESS
     assert renewals("error") == errors_before + 1
     assert archive_rows(rt, task.id)[0].result == RESULT_SUCCESS
 
@@ -480,19 +518,40 @@ def test_a_database_blip_during_a_renewal_is_retried_not_fatal(rt, probe, monkey
 
 
 def test_transient_errors_while_reporting_are_retried_with_backoff(rt, sleeps, monkeypatch):
-    monkeypatch.setattr(rt.queue, "complete", flaky(rt.queue.complete, failures=2))
+    flaky_statement(monkeypatch, sql.ARCHIVE, failures=2)
     task = queue_and_lease(rt, TEST_WORKER)
-    assert run_task(rt, task.id, task.leaseOwner) is Outcome.SUCCESS
+    assert run_task(rt, task.lease) is Outcome.SUCCESS
     assert len(archive_rows(rt, task.id)) == 1
     assert len(sleeps) == 2 and sleeps[0] < sleeps[1]
 
 
 def test_after_the_bounded_attempts_the_lease_is_left_to_expire(rt, sleeps, monkeypatch, caplog):
-    monkeypatch.setattr(rt.queue, "fail_temporary", flaky(rt.queue.fail_temporary, failures=99))
+    flaky_statement(monkeypatch, sql.FAIL_TEMPORARY, failures=99)
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary"})
     before = active_row(rt, task.id)
     with caplog.at_level(logging.WARNING):
-        assert run_task(rt, task.id, task.leaseOwner) is Outcome.UNREPORTED
+        assert run_task(rt, task.lease) is Outcome.UNREPORTED
     assert len(sleeps) == REPORT_ATTEMPTS - 1
     assert active_row(rt, task.id) == before, "the lease was touched"
     assert "not written; the lease will expire" in caplog.text
+
+
+def test_a_redelivered_dispatch_does_not_rerun_a_task_waiting_to_retry(rt, probe):
+    def fail(ctx: TaskContext) -> None:
+        raise TemporaryFailure("down", delay=600)
+
+    probe.behaviour = fail
+    task = queue_and_lease(rt, PROBE)
+    assert run_task(rt, task.lease) is Outcome.FAILURE
+    # The broker redelivers the same message: same owner, lease (the wait) unexpired.
+    assert run_task(rt, task.lease) is Outcome.LEASE_LOST
+    assert len(probe.runs) == 1
+    assert active_row(rt, task.id).failureCount == 1
+
+
+def test_a_non_utf8_data_row_fails_that_task_permanently(rt):
+    task_id = rt.queue.enqueue(TEST_WORKER, {})
+    corrupt_data(rt.queue, task_id)
+    [task] = rt.queue.lease(1, new_owner("bridge"), 300)
+    assert run_task(rt, task.lease) is Outcome.PERMANENT_FAILURE
+    assert archive_rows(rt, task_id)[0].result == RESULT_FAILURE

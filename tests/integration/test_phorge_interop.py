@@ -31,10 +31,9 @@ import sqlalchemy as sa
 from phorge_env import Phorge, phorge_root
 from phorge_php import HELPER, InteropPHP, php_value
 
-from bridge.handlers.base import FollowUp
-from bridge.model import NewTask, State, TaskFilter, new_owner
 from bridge.queue import PhorgeQueue, make_engine
-from bridge.schema import worker_activetask as active
+from bridge.queue.model import NewTask, State, TaskFilter, new_owner
+from bridge.queue.schema import worker_activetask as active
 
 BIG_KEY = 7713765376809813936  # a FeedPublisherWorker chronological key: over 2**53
 LEASE = 600  # the bridge's test leases; PHP's lease query always takes 7200 s
@@ -552,7 +551,7 @@ def test_php_reads_the_archives_the_bridge_writes(
     before = {task_id: queue.get(task_id) for task_id in ids}
     mine = owner()
     assert len(queue.lease(3, mine, LEASE, classes=[task_class])) == 3
-    followup = FollowUp(task_class, {"after": ids[0]}, objectPHID=object_phid)
+    followup = NewTask(task_class, {"after": ids[0]}, objectPHID=object_phid)
     assert queue.complete(ids[0], mine, 1_234_567, [followup])
     assert queue.fail_permanent(ids[1], mine, "broken")
     (cancelled,) = queue.cancel(TaskFilter(ids=[ids[2]]))

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bridge import phorge_extension
-from bridge.phorge_extension import (
+from bridge.phorge import extension as phorge_extension
+from bridge.phorge.extension import (
     EXTENSION_FILENAME,
     ExtensionState,
     PhorgeRootError,
@@ -203,7 +203,7 @@ def test_failed_install_leaves_no_temporary_file(
 def test_the_cli_installs_and_checks_the_extension(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from bridge.cli import main
+    from bridge.cli.main import main
 
     root = fake_phorge(tmp_path / "phorge")
     runner = CliRunner()

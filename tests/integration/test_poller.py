@@ -15,15 +15,15 @@ import pytest
 from sqlalchemy import Engine, update
 
 from bridge.config import load_settings
-from bridge.dialect import db_now
-from bridge.execute import execute
-from bridge.handlers.base import Handler, TaskContext
+from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.registry import Registry
-from bridge.model import NewTask, TaskFilter, new_owner
-from bridge.poller import poll_once
 from bridge.queue import PhorgeQueue, make_engine
-from bridge.runtime import Runtime
-from bridge.schema import worker_activetask as active
+from bridge.queue.dialect import db_now
+from bridge.queue.model import NewTask, TaskFilter, lease_epoch, new_owner
+from bridge.queue.schema import worker_activetask as active
+from bridge.runtime.context import Runtime
+from bridge.runtime.execute import execute
+from bridge.runtime.poller import poll_once
 
 pytestmark = pytest.mark.mariadb
 
@@ -42,11 +42,12 @@ class Noop(Handler):
 class Message:
     task_id: int
     owner: str
+    failure_count: int
     data: str | None
     task_class: str
     queue: str
-    expires: float
     argsrepr: str
+    repoll: bool
 
 
 @pytest.fixture
@@ -54,10 +55,17 @@ def sent(monkeypatch) -> list[Message]:
     """The bridge.execute messages polls send, in order."""
     messages: list[Message] = []
 
-    def apply_async(args, kwargs, queue, expires, argsrepr, kwargsrepr) -> None:
+    def apply_async(args, kwargs, queue, argsrepr, kwargsrepr, producer) -> None:
         assert kwargsrepr == "{}"
         messages.append(
-            Message(*args, kwargs["data"], kwargs["taskClass"], queue, expires, argsrepr)
+            Message(
+                *args,
+                kwargs.get("data"),
+                kwargs["taskClass"],
+                queue,
+                argsrepr,
+                kwargs.get("repoll", False),
+            )
         )
 
     monkeypatch.setattr(execute._get_current_object(), "apply_async", apply_async)
@@ -108,10 +116,9 @@ def test_each_leased_task_goes_to_its_class_queue_with_its_lease_and_label(make_
     for task_id, message in by_id.items():
         [task] = rt.queue.list(TaskFilter(ids=[task_id]))
         assert message.owner == task.leaseOwner and message.owner.startswith("bridge:")
+        assert message.failure_count == task.failureCount
         assert message.data == task.rawData
         assert message.argsrepr == repr((task.label,))
-        # The message is discarded before the dispatch lease can run out under it.
-        assert 0 < message.expires <= DISPATCH_LEASE - POLL_INTERVAL
         assert task.leaseExpires - task.serverTime in (DISPATCH_LEASE, DISPATCH_LEASE - 1)
 
 
@@ -208,8 +215,35 @@ def test_a_broker_refusal_hands_back_the_unsent_leases(make_runtime, monkeypatch
         sent_ids.append(args[0])
 
     monkeypatch.setattr(execute._get_current_object(), "apply_async", refuse_after_one)
-    with pytest.raises(ConnectionError):
-        poll_once(rt)
+    assert poll_once(rt) == 1
     owners = {t.id: t.leaseOwner for t in rt.queue.list(TaskFilter(ids=ids))}
     assert owners[sent_ids[0]] is not None
     assert [owner for task_id, owner in owners.items() if task_id not in sent_ids] == [None] * 2
+
+
+def test_a_dispatch_of_half_the_capacity_or_more_marks_its_middle_task(make_runtime, sent):
+    rt = make_runtime(MAX_INFLIGHT="10")
+    enqueue(rt, FAST, count=6)
+    assert poll_once(rt) == 6
+    assert [m.repoll for m in sent] == [False, False, False, True, False, False]
+    sent.clear()
+    enqueue(rt, FAST, count=4)  # capacity 4 left: less than half of 10, no mark
+    assert poll_once(rt) == 4
+    assert not any(m.repoll for m in sent)
+
+
+def test_a_poll_overlapping_another_dispatches_nothing(make_runtime, sent):
+    rt = make_runtime()
+    enqueue(rt, FAST, count=3)
+    with rt.queue.poll_lock(rt.settings.owner_prefix):
+        assert poll_once(rt) == 0
+    assert poll_once(rt) == 3
+
+
+def test_lease_owners_carry_the_database_clock(make_runtime, sent, monkeypatch):
+    rt = make_runtime()
+    enqueue(rt, FAST)
+    monkeypatch.setattr("time.time", lambda: 4_000_000_000.0)  # this host's clock is off
+    assert poll_once(rt) == 1
+    [task] = rt.queue.list(TaskFilter(classes=[FAST]))
+    assert abs(lease_epoch(task.leaseOwner) - task.serverTime) <= 1

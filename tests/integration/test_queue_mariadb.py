@@ -17,12 +17,11 @@ from sqlalchemy import Engine, event, func, select, update
 from sqlalchemy.exc import DataError
 from threads import run_together
 
-from bridge.dialect import db_now
-from bridge.handlers.base import FollowUp
-from bridge.model import NewTask, State, TaskFilter, new_owner
 from bridge.queue import PhorgeQueue, make_engine
-from bridge.schema import lisk_counter
-from bridge.schema import worker_activetask as active
+from bridge.queue.dialect import db_now
+from bridge.queue.model import NewTask, State, TaskFilter, new_owner
+from bridge.queue.schema import lisk_counter
+from bridge.queue.schema import worker_activetask as active
 
 pytestmark = pytest.mark.mariadb
 
@@ -247,7 +246,7 @@ def test_times_come_from_the_database_clock_never_the_hosts(mysql_engine):
         [again] = q.lease(1, new_owner("test"))
         assert q.renew(retried, again.leaseOwner, 600)
         assert q.yield_(yielded, tasks[yielded].leaseOwner, 60)
-        assert q.complete(done, tasks[done].leaseOwner, 5, [FollowUp(WORKER, {})])
+        assert q.complete(done, tasks[done].leaseOwner, 5, [NewTask(WORKER, {})])
         assert q.retry(TaskFilter(ids=[cancelled]))[0].done
 
         # By the host's clock this yield ended ten days ago and the archive row is old.

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import pytest
 from sqlalchemy import event, func, insert, select, update
 
-from bridge.dialect import db_now
-from bridge.handlers.base import FollowUp
-from bridge.model import (
+from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue.dialect import db_now
+from bridge.queue.model import (
     MAX_UINT32,
     PRIORITY_DEFAULT,
     RESULT_CANCELLED,
@@ -31,11 +31,10 @@ from bridge.model import (
     TaskFilter,
     new_owner,
 )
-from bridge.queue import PhorgeQueue, make_engine
-from bridge.schema import lisk_counter, metadata
-from bridge.schema import worker_activetask as active
-from bridge.schema import worker_archivetask as archive
-from bridge.schema import worker_taskdata as taskdata
+from bridge.queue.schema import lisk_counter, metadata
+from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
+from bridge.queue.schema import worker_taskdata as taskdata
 
 WORKER = "PhabricatorTestWorker"
 BIG_KEY = 7713765376809813936  # a FeedPublisherWorker chronological key, > 2**53
@@ -297,7 +296,7 @@ def test_renew_gives_the_required_lease_time(q):
 OUTCOMES: dict[str, Callable[[PhorgeQueue, int, str], bool]] = {
     "complete": lambda q, task_id, owner: q.complete(task_id, owner, 1000),
     "complete+followups": lambda q, task_id, owner: q.complete(
-        task_id, owner, 1000, [FollowUp("PhabricatorSearchWorker", {"x": 1})]
+        task_id, owner, 1000, [NewTask("PhabricatorSearchWorker", {"x": 1})]
     ),
     "fail_temporary": lambda q, task_id, owner: q.fail_temporary(task_id, owner, 60),
     "fail_permanent": lambda q, task_id, owner: q.fail_permanent(task_id, owner, "late"),
@@ -422,15 +421,15 @@ def test_awaken_refuses_failed_and_unyielded_tasks(q):
 def test_followups_are_enqueued_with_the_archive(q):
     parent = leased_task(q, {"parent": True}, priority=1000)
     followups = [
-        FollowUp("PhabricatorSearchWorker", {"documentPHID": "PHID-TASK-1"}),
-        FollowUp(
+        NewTask("PhabricatorSearchWorker", {"documentPHID": "PHID-TASK-1"}),
+        NewTask(
             "FeedPublisherWorker",
             {"key": BIG_KEY},
             priority=3500,
             objectPHID="PHID-TASK-1",
             containerPHID="PHID-REPO-1",
         ),
-        FollowUp("PhabricatorMetaMTAWorker", 2, delayUntil=now(q) + 600),
+        NewTask("PhabricatorMetaMTAWorker", 2, delayUntil=now(q) + 600),
     ]
     assert q.complete(parent.id, parent.leaseOwner, 1500, followups)
 
@@ -465,22 +464,22 @@ def test_followups_and_the_archive_commit_together(q):
     event.listen(q.engine, "before_cursor_execute", crash_on_followup_insert)
     try:
         with pytest.raises(RuntimeError):
-            q.complete(parent.id, parent.leaseOwner, 1, [FollowUp("PhabricatorSearchWorker", {})])
+            q.complete(parent.id, parent.leaseOwner, 1, [NewTask("PhabricatorSearchWorker", {})])
     finally:
         event.remove(q.engine, "before_cursor_execute", crash_on_followup_insert)
     assert snapshot(q) == before  # still leased, no archive row, no data row, no id taken
-    assert q.complete(parent.id, parent.leaseOwner, 1, [FollowUp("PhabricatorSearchWorker", {})])
+    assert q.complete(parent.id, parent.leaseOwner, 1, [NewTask("PhabricatorSearchWorker", {})])
 
 
 @pytest.mark.parametrize(
     "followup",
     [
-        FollowUp("", {}),
-        FollowUp("X" * 65, {}),
-        FollowUp(WORKER, {1, 2}),
-        FollowUp(WORKER, {}, priority=-1),
-        FollowUp(WORKER, {}, priority=0),
-        FollowUp(WORKER, {}, priority="5"),
+        NewTask("", {}),
+        NewTask("X" * 65, {}),
+        NewTask(WORKER, {1, 2}),
+        NewTask(WORKER, {}, priority=-1),
+        NewTask(WORKER, {}, priority=0),
+        NewTask(WORKER, {}, priority="5"),
     ],
     ids=["empty-class", "long-class", "set-data", "priority-1", "priority0", "priority-str"],
 )

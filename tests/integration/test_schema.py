@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from bridge.schema import metadata
+from bridge.queue.schema import metadata
 
 REFERENCE = Path(__file__).parent.parent / "reference" / "phorge-worker-schema.sql"
 

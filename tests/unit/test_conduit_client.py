@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
-from bridge.conduit import (
+from bridge.config import ConfigError, load_settings
+from bridge.phorge.conduit import (
     AUTH_ERROR_CODES,
     ConduitAuthError,
     ConduitClient,
@@ -20,7 +21,6 @@ from bridge.conduit import (
     ConduitTimeoutError,
     ConduitTransportError,
 )
-from bridge.config import load_settings
 
 
 def client_for(server: FakeServer, **kwargs: float) -> ConduitClient:
@@ -273,20 +273,31 @@ def test_settings_full(tmp_path: Path) -> None:
     ],
 )
 def test_settings_errors_name_the_setting(env: dict[str, str], setting: str) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ConfigError) as info:
         load_settings(env)
-    assert str(info.value).startswith(setting)
+    assert info.value.setting == setting
+    assert str(info.value).startswith(f"{setting}: ")
     assert TOKEN not in str(info.value)
 
 
 def test_unreadable_token_file(tmp_path: Path) -> None:
     env = {"BRIDGE_CONDUIT_URL": "https://p.example", "BRIDGE_CONDUIT_TOKEN_FILE": str(tmp_path)}
-    with pytest.raises(ValueError, match="BRIDGE_CONDUIT_TOKEN_FILE: cannot read"):
+    with pytest.raises(ConfigError, match="BRIDGE_CONDUIT_TOKEN_FILE: cannot read"):
         load_settings(env)
 
 
-def test_settings_validate_on_construction() -> None:
-    with pytest.raises(ValueError, match="BRIDGE_CONDUIT_READ_TIMEOUT"):
-        ConduitSettings("https://p.example", TOKEN, read_timeout=-1)
-    with pytest.raises(ValueError, match="BRIDGE_CONDUIT_TOKEN"):
-        ConduitSettings("https://p.example", "nope")
+def test_a_bad_token_in_its_file_names_the_file_setting(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("api-short\n")
+    env = {"BRIDGE_CONDUIT_URL": "https://p.example", "BRIDGE_CONDUIT_TOKEN_FILE": str(token_file)}
+    with pytest.raises(ConfigError) as info:
+        load_settings(env)
+    assert info.value.setting == "BRIDGE_CONDUIT_TOKEN_FILE"
+    assert "not a Phorge API token" in str(info.value)
+
+
+def test_the_client_checks_what_it_is_given() -> None:
+    with pytest.raises(ValueError, match="read_timeout"):
+        ConduitClient.from_settings(ConduitSettings("https://p.example", TOKEN, read_timeout=-1))
+    with pytest.raises(ValueError, match="not a Phorge API token"):
+        ConduitClient("https://p.example", "nope")

@@ -16,14 +16,15 @@ from conduit_fakes import (
     execute_answer,
 )
 
-from bridge.conduit import ConduitClient
-from bridge.handlers.base import FollowUp, PermanentFailure, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.conduit_proxy import (
     PHORGE_REQUIRED_LEASES,
     ConduitProxyHandler,
     apply_result,
     execute_params,
 )
+from bridge.phorge.conduit import ConduitClient
+from bridge.queue.model import NewTask
 
 RAW = '{"key":7713765376809813936,"uri":"https:\\/\\/hooks.example\\/x","n":[]}'
 
@@ -31,14 +32,13 @@ RAW = '{"key":7713765376809813936,"uri":"https:\\/\\/hooks.example\\/x","n":[]}'
 def make_task(**fields: Any) -> TaskContext:
     values: dict[str, Any] = {
         "id": 42,
-        "taskClass": "PhabricatorSearchWorker",
+        "task_class": "PhabricatorSearchWorker",
         "data": json.loads(RAW),
-        "failureCount": 2,
+        "failure_count": 2,
         "priority": 3500,
-        "objectPHID": "PHID-TASK-abc",
-        "containerPHID": None,
-        "leaseOwner": "1:2:host:3",
-        "rawData": RAW,
+        "object_phid": "PHID-TASK-abc",
+        "container_phid": None,
+        "raw_data": RAW,
     }
     values.update(fields)
     return TaskContext(**values)
@@ -80,9 +80,9 @@ def test_request_parameters() -> None:
 
 
 def test_data_fallback_without_raw_string() -> None:
-    task = make_task(rawData=None, data={"key": 7713765376809813936})
+    task = make_task(raw_data=None, data={"key": 7713765376809813936})
     assert json.loads(execute_params(task)["data"]) == {"key": 7713765376809813936}
-    assert execute_params(make_task(rawData=None, data=2))["data"] == "2"
+    assert execute_params(make_task(raw_data=None, data=2))["data"] == "2"
 
 
 def test_success_queues_followups() -> None:
@@ -113,8 +113,8 @@ def test_success_queues_followups() -> None:
     result = outcome({"result": "success", "duration": 1234, "followups": followups})
     task, _, error = run_against(conduit_result(result))
     assert error is None
-    assert task.followups == [
-        FollowUp(
+    assert task.followups == (
+        NewTask(
             "FeedPublisherHTTPWorker",
             {"key": 7713765376809813936, "uri": "https://h.example/"},
             3500,
@@ -122,17 +122,17 @@ def test_success_queues_followups() -> None:
             None,
             None,
         ),
-        FollowUp("PhabricatorSearchWorker", [], 1000, "PHID-X", "PHID-Y", 1900000000),
-        FollowUp("Bare", {"a": 1}, None, None, None, None),
-    ]
+        NewTask("PhabricatorSearchWorker", [], 1000, "PHID-X", "PHID-Y", 1900000000),
+        NewTask("Bare", {"a": 1}, None, None, None, None),
+    )
 
 
 def test_yield() -> None:
     _, _, error = run_against(conduit_result(outcome({"result": "yield", "yieldDuration": 90})))
-    assert isinstance(error, Yield) and error.seconds == 90
+    assert isinstance(error, Yield) and error.delay == 90
     # Phorge never yields for less than 5 s.
     _, _, error = run_against(conduit_result(outcome({"result": "yield", "yieldDuration": 0})))
-    assert isinstance(error, Yield) and error.seconds == 5
+    assert isinstance(error, Yield) and error.delay == 5
 
 
 def test_permanent_failure() -> None:
@@ -140,7 +140,7 @@ def test_permanent_failure() -> None:
     reply = conduit_result(outcome({"result": "permanent-failure", "message": message}))
     task, _, error = run_against(reply)
     assert isinstance(error, PermanentFailure) and str(error) == message
-    assert task.followups == []
+    assert task.followups == ()
 
 
 def test_failure_carries_the_workers_wait() -> None:
@@ -149,8 +149,8 @@ def test_failure_carries_the_workers_wait() -> None:
     )
     task, _, error = run_against(reply)
     assert isinstance(error, TemporaryFailure)
-    assert (str(error), error.wait) == ("Exception: Temporary failure!", 45)
-    assert task.followups == []
+    assert (str(error), error.delay) == ("Exception: Temporary failure!", 45)
+    assert task.followups == ()
 
 
 def test_unknown_result_is_temporary(caplog: pytest.LogCaptureFixture) -> None:
@@ -199,7 +199,7 @@ def test_conduit_core_error_is_temporary() -> None:
 
 def test_read_only_phorge_yields() -> None:
     _, _, error = run_against(conduit_error("ERR-BRIDGE-READ-ONLY", "read-only"))
-    assert isinstance(error, Yield) and error.seconds == 300
+    assert isinstance(error, Yield) and error.delay == 300
 
 
 def test_timeout_is_temporary() -> None:
@@ -213,10 +213,10 @@ def test_long_lease_classes() -> None:
         ConduitClient("http://127.0.0.1:9", TOKEN, read_timeout=600),
         lease_overrides={"SlowWorker": 7200},
     )
-    git = make_task(taskClass="PhabricatorRepositoryGitCommitChangeParserWorker")
-    assert handler.required_lease(git) == PHORGE_REQUIRED_LEASES[git.taskClass] == 86400
+    git = make_task(task_class="PhabricatorRepositoryGitCommitChangeParserWorker")
+    assert handler.required_lease(git) == PHORGE_REQUIRED_LEASES[git.task_class] == 86400
     assert handler._read_timeout(git) == 86400 - 60
-    assert handler.required_lease(make_task(taskClass="SlowWorker")) == 7200
+    assert handler.required_lease(make_task(task_class="SlowWorker")) == 7200
     plain = make_task()
     assert handler.required_lease(plain) is None
     assert handler._read_timeout(plain) == 600
@@ -235,6 +235,5 @@ def test_warnings_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     assert "Dropped follow-up task X" in caplog.text
 
 
-def test_serves_any_class() -> None:
+def test_it_claims_no_class_so_it_only_serves_as_the_fallback() -> None:
     assert ConduitProxyHandler.task_classes == ()
-    assert ConduitProxyHandler.serves_any_class is True

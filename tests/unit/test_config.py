@@ -10,7 +10,8 @@ import operator
 import pytest
 
 from bridge.config import SETTINGS, ConfigError, MaxInflight, explain, load_settings
-from bridge.model import new_owner
+from bridge.errors import BridgeError
+from bridge.queue.model import new_owner
 
 CONDUIT_SETTINGS = {s.name for s in SETTINGS if s.name.startswith("BRIDGE_CONDUIT_")}
 
@@ -29,7 +30,7 @@ def test_defaults():
     assert (settings.handlers_include, settings.handlers_exclude) == (("*",), ())
     assert settings.owner_prefix == "bridge"
     assert settings.inline_data_max == 8192
-    assert settings.task_events is True
+    assert settings.task_events is False  # Flower turns events on when it connects
     assert (settings.metrics_port, settings.metrics_address) == (None, "127.0.0.1")
     assert settings.conduit is None
 
@@ -181,7 +182,7 @@ def test_the_longest_accepted_owner_prefix_still_makes_owners(monkeypatch):
     """What load_settings lets through must not fail later, at every poll."""
     longest = next(n for n in range(64, 0, -1) if _accepted({"BRIDGE_OWNER_PREFIX": "x" * n}))
     monkeypatch.setattr("os.getpid", lambda: 4_194_304)  # Linux's largest pid
-    monkeypatch.setattr("bridge.model._owner_sequence", iter([10**9]))
+    monkeypatch.setattr("bridge.queue.model._owner_sequence", iter([10**9]))
     assert new_owner("x" * longest).startswith("x" * longest + ":4194304:")
 
 
@@ -199,7 +200,35 @@ def test_a_url_is_not_repeated_in_the_error():
     assert "s3cret" not in str(refused.value)
 
 
+def test_a_config_error_is_the_bridges_and_a_value_error():
+    with pytest.raises(ConfigError) as refused:
+        load_settings({"BRIDGE_RETRY_JITTER": "2"})
+    assert isinstance(refused.value, BridgeError) and isinstance(refused.value, ValueError)
+    assert refused.value.problem == "expected a number from 0 to 1, got '2'"
+
+
+RUNTIME_ATTRIBUTES = """database_url broker_url poll_interval router control_queue max_inflight
+    dispatch_lease default_lease retry_base retry_max retry_jitter report_attempts
+    handlers_include handlers_exclude owner_prefix inline_data_max task_events metrics_port
+    metrics_address conduit""".split()  # noqa: SIM905 (a list of names, written as text)
+
+
+@pytest.mark.parametrize("name", RUNTIME_ATTRIBUTES)
+def test_the_attributes_the_runtime_reads_are_all_there(name):
+    assert hasattr(load_settings({}), name)
+
+
+def test_a_secret_stays_out_of_repr():
+    token = "api-" + "t" * 28
+    settings = load_settings(
+        {"BRIDGE_CONDUIT_URL": "https://p.example", "BRIDGE_CONDUIT_TOKEN": token}
+    )
+    assert token not in repr(settings)
+    assert [s.name for s in SETTINGS if s.secret] == ["BRIDGE_CONDUIT_TOKEN"]
+
+
 def test_the_settings_table_lists_every_setting_with_its_default():
     table = explain()
     for setting in SETTINGS:
-        assert f"| `{setting.name}` | `{setting.default}` |" in table
+        shown = f"`{setting.default}`" if setting.default else "(none)"
+        assert f"| `{setting.name}` | {shown} | {setting.help} |" in table

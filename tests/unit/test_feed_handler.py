@@ -18,16 +18,10 @@ from typing import Any
 import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
-from bridge.conduit import ConduitClient
-from bridge.handlers.base import PermanentFailure, TaskContext, TemporaryFailure
-from bridge.handlers.feed import (
-    FeedPublisherHTTPHandler,
-    http_build_query,
-    php_float_to_string,
-    php_urlencode,
-    redact_uri,
-    retry_wait,
-)
+from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure
+from bridge.handlers.feed import FeedPublisherHTTPHandler, redact_uri, retry_wait
+from bridge.phorge.conduit import ConduitClient
+from bridge.phorge.php import http_build_query, php_float_to_string, php_urlencode
 
 KEY = 7713765376809813936
 
@@ -163,11 +157,11 @@ HOOK_PATH = "/hook?secret=s3cr3t"
 def make_task(uri: str, failure_count: int = 0, key: Any = KEY) -> TaskContext:
     return TaskContext(
         id=9,
-        taskClass="FeedPublisherHTTPWorker",
+        task_class="FeedPublisherHTTPWorker",
         data={"key": key, "uri": uri},
-        failureCount=failure_count,
+        failure_count=failure_count,
         priority=2000,
-        rawData=json.dumps({"key": key, "uri": uri}),
+        raw_data=json.dumps({"key": key, "uri": uri}),
     )
 
 
@@ -268,12 +262,12 @@ def test_5xx_and_429_are_retried_with_backoff(status: int) -> None:
     for failures in (0, 3, 100):
         error = Setup(Reply(status)).run(failure_count=failures)
         assert isinstance(error, TemporaryFailure) and f"HTTP {status}" in str(error)
-        assert error.wait == retry_wait(failures + 1) == min((failures + 1) * 60, 3600)
+        assert error.delay == retry_wait(failures + 1) == min((failures + 1) * 60, 3600)
 
 
 def test_retry_after_is_honoured() -> None:
     error = Setup(Reply(429, headers={"Retry-After": "600"})).run()
-    assert isinstance(error, TemporaryFailure) and error.wait == 600
+    assert isinstance(error, TemporaryFailure) and error.delay == 600
 
 
 @pytest.mark.parametrize("status", [400, 403, 404, 410])
@@ -309,7 +303,7 @@ def test_unreachable_hook_is_temporary() -> None:
         handler = FeedPublisherHTTPHandler(ConduitClient(phorge.url, TOKEN), timeout=2)
         with pytest.raises(TemporaryFailure) as info:
             handler.run(make_task(dead))
-    assert info.value.wait == 60
+    assert info.value.delay == 60
 
 
 def test_conduit_problems_are_temporary(caplog: pytest.LogCaptureFixture) -> None:

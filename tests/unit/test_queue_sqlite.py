@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import select, update
 from threads import run_together
 
-from bridge.model import NewTask, new_owner
 from bridge.queue import PhorgeQueue, make_engine
-from bridge.schema import lisk_counter
-from bridge.schema import worker_activetask as active
+from bridge.queue.model import NewTask, new_owner
+from bridge.queue.schema import lisk_counter
+from bridge.queue.schema import worker_activetask as active
 
 WORKER = "PhabricatorTestWorker"
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
-from bridge.config import SETTINGS, ConfigError, Settings, load_settings
-from bridge.model import ActionResult, Task, TaskFilter
+from bridge.config import SETTINGS, ConfigError, Settings, explain, load_settings
 from bridge.queue import PhorgeQueue
+from bridge.queue.model import ActionResult, Task, TaskFilter
 
 
 def settings_or_exit() -> Settings:
@@ -48,17 +48,21 @@ def main() -> None:
 @click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for the tasks.")
 def demo(directory: Path, timeout: float) -> None:
     """Run the bridge on an embedded default (SQLite + server-less broker) with sample tasks."""
-    from bridge import demo as embedded
+    from bridge.cli import demo as embedded
 
     if not embedded.run(directory.resolve(), timeout, click.echo):
         raise click.ClickException("not every sample task was archived in time; see the log")
 
 
 @main.command("settings")
-def show_settings() -> None:
+@click.option("--table", is_flag=True, help="Print the README's table of settings instead.")
+def show_settings(table: bool) -> None:
     """Print every BRIDGE_* setting with its value here (secrets hidden), or the error."""
     import os
 
+    if table:
+        click.echo(explain())
+        return
     settings_or_exit()
     for setting in SETTINGS:
         value = os.environ.get(setting.name)
@@ -99,9 +103,9 @@ def doctor() -> None:
     except Exception as exc:
         raise click.ClickException(f"database: cannot read Phorge's queue: {exc}") from None
     click.echo(f"database: ok (server time {stats.serverTime})")
-    from bridge.runtime import build_runtime
+    from bridge.handlers.registry import build_registry
 
-    registry = build_runtime(settings).registry
+    registry = build_registry(settings)
     classes = sorted(stats.by_class)
     served = registry.runnable(classes)
     click.echo(f"task classes: {len(classes)}; served by the bridge: {', '.join(served) or 'none'}")
@@ -285,7 +289,7 @@ def phorge() -> None:
 @click.option("--check", is_flag=True, help="Only report whether the installed copy is current.")
 def install_extension(phorge_root: Path, check: bool) -> None:
     """Copy the worker.execute Conduit method into PHORGE_ROOT/src/extensions/."""
-    from bridge import phorge_extension
+    from bridge.phorge import extension as phorge_extension
 
     try:
         if check:

@@ -5,15 +5,16 @@ Field names are Phorge's column names on purpose: they are wire format shared wi
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import count
-from typing import Any
+from typing import Any, NamedTuple
+
+from bridge.phorge.php import decode_data, encode_data
 
 YIELD_OWNER = "(yield)"  # PhabricatorWorker::YIELD_OWNER
 RESULT_SUCCESS = 0  # PhabricatorWorkerArchiveTask::RESULT_*
@@ -26,6 +27,30 @@ MIN_YIELD_SECONDS = 5  # executeTask: max($ex->getDuration(), 5)
 MAX_NAME = 64  # varchar(64) of taskClass and leaseOwner
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
+
+
+class Outcome(StrEnum):
+    """How one run of a task ended: the one vocabulary of the executor, proxy and metrics."""
+
+    SUCCESS = "success"  # archived, result 0
+    FAILURE = "failure"  # temporary: failureCount + 1, retried after a wait
+    PERMANENT_FAILURE = "permanent-failure"  # archived, result 1
+    YIELD = "yield"  # given back for a while, failureCount unchanged
+    LEASE_LOST = "lease-lost"  # the fence no longer held: nothing was written
+    NOT_SERVED = "not-served"  # no handler here any more: the lease was handed back
+    UNREPORTED = "unreported"  # the database stayed unreachable: the lease will expire
+
+
+class Lease(NamedTuple):
+    """The fence a dispatch carries: a run may write only while all three still match.
+
+    ``failure_count`` tells "leased, not yet run" from "failed and waiting to retry": a
+    temporary failure keeps the owner (as Phorge does) but counts one more failure.
+    """
+
+    task_id: int
+    owner: str
+    failure_count: int
 
 
 class State(StrEnum):
@@ -69,61 +94,16 @@ def check_seconds(name: str, value: Any, minimum: int = 0, maximum: int = MAX_UI
     return value
 
 
-PHP_MAX_DEPTH = 511  # json_decode's default depth (512) counts one past the deepest array
-PHP_INT = range(-(2**63), 2**63)
-
-
-def _check_php_readable(data: Any) -> None:
-    """Refuse what PHP's ``json_decode`` would silently read as null or a float."""
-    stack = [(data, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict | list | tuple):
-            if depth >= PHP_MAX_DEPTH:
-                raise ValueError(f"nested deeper than the {PHP_MAX_DEPTH} levels PHP decodes")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                stack.append((key, depth + 1))
-                stack.append((item, depth + 1))
-        elif isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("a string holds a lone UTF-16 surrogate") from None
-        elif isinstance(value, int) and not isinstance(value, bool) and value not in PHP_INT:
-            raise ValueError(f"integer {value} is outside PHP's 64-bit range")
-
-
-def encode_data(data: Any) -> str:
-    """JSON that PHP's ``json_decode`` reads back unchanged (integers never become floats)."""
-    try:
-        _check_php_readable(data)
-        return json.dumps(data, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"task data cannot be encoded as JSON for PHP: {exc}") from None
-
-
-def _refuse_constant(name: str) -> Any:
-    # PHP's json_decode rejects NaN and Infinity; so must we.
-    raise ValueError(f"{name} is not JSON")
-
-
-def decode_data(raw: str | None) -> tuple[Any, str | None]:
-    """Decode a data row; corrupt JSON is reported as an error string, never raised."""
-    if raw is None:
-        return None, "the task's data row is missing"
-    try:
-        return json.loads(raw, parse_constant=_refuse_constant), None
-    except ValueError as exc:
-        return None, f"the task's data row is not valid JSON: {exc}"
-
-
 _owner_sequence = count(1)
 
 
-def new_owner(prefix: str = "bridge") -> str:
-    """A lease owner unique to this call, shaped like PHP's ``pid:time:host:sequence``."""
-    tail = f":{os.getpid()}:{int(time.time())}:{{host}}:{next(_owner_sequence)}"
+def new_owner(prefix: str = "bridge", epoch: int | None = None) -> str:
+    """A lease owner unique to this call, shaped like PHP's ``pid:time:host:sequence``.
+
+    ``epoch`` should be the database's clock: it is compared with ``failureTime``.
+    """
+    when = int(time.time()) if epoch is None else epoch
+    tail = f":{os.getpid()}:{when}:{{host}}:{next(_owner_sequence)}"
     room = MAX_NAME - len(prefix) - len(tail) + len("{host}")
     if room < 1:
         raise ValueError(f"owner prefix {prefix!r} is too long")
@@ -133,19 +113,38 @@ def new_owner(prefix: str = "bridge") -> str:
 
 @dataclass(frozen=True)
 class NewTask:
-    """A task to enqueue, with ``PhabricatorWorker::scheduleTask``'s options."""
+    """A task to enqueue, with ``PhabricatorWorker::scheduleTask``'s options.
+
+    ``priority`` None means the default (2000); for a follow-up, its parent's priority,
+    as Phorge's ``flushTaskQueue`` does.
+    """
 
     taskClass: str
     data: Any = None
-    priority: int = PRIORITY_DEFAULT
+    priority: int | None = None
     objectPHID: str | None = None
     containerPHID: str | None = None
     delayUntil: int | None = None
 
+    def with_default_priority(self, priority: int) -> NewTask:
+        """This task with ``priority`` filled in where none was given.
+
+        A parent's priority the queue would refuse (0, written by hand) falls back to the
+        default: a follow-up must never be unqueueable because of its parent.
+        """
+        if self.priority is not None:
+            return self
+        try:
+            check_priority(priority)
+        except ValueError:
+            priority = PRIORITY_DEFAULT
+        return replace(self, priority=priority)
+
     def validated(self) -> tuple[NewTask, str]:
-        """Check every field before anything is written; return the task and its JSON."""
+        """Check every field before anything is written; return the task (with its
+        priority filled in) and its JSON."""
         check_task_class(self.taskClass)
-        check_priority(self.priority)
+        check_priority(PRIORITY_DEFAULT if self.priority is None else self.priority)
         if self.delayUntil is not None:
             check_seconds("delayUntil", self.delayUntil)
         for name in ("objectPHID", "containerPHID"):
@@ -154,7 +153,7 @@ class NewTask:
                 not isinstance(value, str) or len(value.encode("utf-8")) > MAX_NAME
             ):
                 raise ValueError(f"{name} must be a string of at most {MAX_NAME} bytes")
-        return self, encode_data(self.data)
+        return self.with_default_priority(PRIORITY_DEFAULT), encode_data(self.data)
 
 
 @dataclass(frozen=True)
@@ -195,9 +194,28 @@ class Task:
         return classify(self.leaseOwner, self.leaseExpires, self.failureTime, now)
 
     @property
+    def lease(self) -> Lease:
+        """The fence of this row as read (its id, owner and failure count)."""
+        return Lease(self.id, self.leaseOwner or "", self.failureCount)
+
+    @property
     def label(self) -> str:
         """How a task is named in logs, Flower and the CLI."""
         return f"{self.taskClass}#{self.id}"
+
+
+def task_from_row(fields: dict[str, Any], archived: bool = False) -> Task:
+    """A Task from a row's columns; data read as bytes is decoded here, one row at a time."""
+    for name in ("objectPHID", "containerPHID"):  # varbinary: bytes from the bare driver
+        if isinstance(fields.get(name), bytes):
+            fields[name] = fields[name].decode("utf-8", "replace")
+    if "rawData" not in fields:
+        return Task(**fields, archived=archived)
+    raw = fields.pop("rawData")
+    data, error = decode_data(raw)
+    if isinstance(raw, bytes):
+        raw = None if error and raw is not None and "UTF-8" in error else raw.decode("utf-8")
+    return Task(**fields, archived=archived, data=data, rawData=raw, dataError=error)
 
 
 def lease_epoch(owner: str | None) -> int | None:

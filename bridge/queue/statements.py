@@ -8,17 +8,25 @@ statement here never decides anything from a value read earlier.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Delete,
     Insert,
+    Integer,
+    LargeBinary,
     Select,
+    String,
     Update,
     and_,
+    bindparam,
     case,
+    cast,
     delete,
+    exists,
     func,
     insert,
     literal,
@@ -27,17 +35,17 @@ from sqlalchemy import (
     update,
 )
 
-from bridge.dialect import db_now, owner_epoch
-from bridge.model import (
+from bridge.queue.dialect import db_now, owner_epoch
+from bridge.queue.model import (
     RESULT_CANCELLED,
     YIELD_OWNER,
     NewTask,
     State,
     TaskFilter,
 )
-from bridge.schema import worker_activetask as active
-from bridge.schema import worker_archivetask as archive
-from bridge.schema import worker_taskdata as taskdata
+from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
+from bridge.queue.schema import worker_taskdata as taskdata
 
 # Columns an archive row copies unchanged from its active row (archiveTask()).
 COPIED_COLUMNS = (
@@ -54,15 +62,23 @@ COPIED_COLUMNS = (
 )
 
 
-def _class_filter(
-    classes: Sequence[str] | None, exclude_classes: Sequence[str] | None
-) -> list[ColumnElement[bool]]:
-    where: list[ColumnElement[bool]] = []
-    if classes is not None:
-        where.append(active.c.taskClass.in_(list(classes)))
-    if exclude_classes:
-        where.append(active.c.taskClass.not_in(list(exclude_classes)))
-    return where
+@dataclass(frozen=True)
+class LeaseFilter:
+    """Which rows a lease may take: by class (in or out) and by id (``withIDs``)."""
+
+    classes: Sequence[str] | None = None
+    exclude_classes: Sequence[str] | None = None
+    ids: Sequence[int] | None = None
+
+    def where(self) -> list[ColumnElement[bool]]:
+        where: list[ColumnElement[bool]] = []
+        if self.classes is not None:
+            where.append(active.c.taskClass.in_(list(self.classes)))
+        if self.exclude_classes:
+            where.append(active.c.taskClass.not_in(list(self.exclude_classes)))
+        if self.ids is not None:
+            where.append(active.c.id.in_(list(self.ids)))
+        return where
 
 
 # -- enqueue: PhabricatorWorker::scheduleTask -------------------------------------------
@@ -101,11 +117,11 @@ def _unleased_due() -> list[ColumnElement[bool]]:
     ]
 
 
-def select_unleased(limit: int, classes=None, exclude_classes=None) -> Select:
+def select_unleased(limit: int, where: LeaseFilter) -> Select:
     """Phase 1 candidates: never-leased (or freed) due tasks, ``priority, id`` order."""
     return (
         select(active.c.id)
-        .where(*_unleased_due(), *_class_filter(classes, exclude_classes))
+        .where(*_unleased_due(), *where.where())
         .order_by(active.c.priority, active.c.id)
         .limit(limit)
     )
@@ -120,7 +136,7 @@ def take_unleased(ids: Sequence[int], owner: str, seconds: int) -> Update:
     )
 
 
-def select_expired(limit: int, classes=None, exclude_classes=None) -> Select:
+def select_expired(limit: int, where: LeaseFilter) -> Select:
     """Phase 2 candidates: owned rows whose lease (or retry wait, or yield) ran out.
 
     Oldest expiry first, so a task that keeps failing goes to the back.
@@ -130,7 +146,7 @@ def select_expired(limit: int, classes=None, exclude_classes=None) -> Select:
         .where(
             active.c.leaseOwner.is_not(None),
             active.c.leaseExpires < db_now(),
-            *_class_filter(classes, exclude_classes),
+            *where.where(),
         )
         .order_by(active.c.leaseExpires)
         .limit(limit)
@@ -147,25 +163,28 @@ def take_expired(rows: Iterable[tuple[int, str]], owner: str, seconds: int) -> U
     )
 
 
-def select_held(owner: str, task_id: int | None = None, with_data: bool = True) -> Select:
-    """Rows ``owner`` holds right now, with the server's clock (and their data if asked)."""
-    if with_data:
-        query = select(
-            active, taskdata.c.data.label("rawData"), db_now().label("serverTime")
-        ).select_from(active.outerjoin(taskdata, taskdata.c.id == active.c.dataID))
-    else:
-        query = select(active, db_now().label("serverTime"))
-    query = query.where(_held_by(owner)).order_by(active.c.priority, active.c.id)
-    return query if task_id is None else query.where(active.c.id == task_id)
+def _data_bytes() -> ColumnElement[bytes]:
+    """The data column as bytes: one row a UTF-8 connection cannot decode must fail alone."""
+    return cast(taskdata.c.data, LargeBinary).label("rawData")
+
+
+def _with_data(query: Select) -> Select:
+    """``query`` plus the row's data (NULL when the data row is missing)."""
+    return query.add_columns(_data_bytes()).select_from(
+        active.outerjoin(taskdata, taskdata.c.id == active.c.dataID)
+    )
+
+
+def select_leased(owner: str) -> Select:
+    """The rows a lease just won, with their data and the server's clock."""
+    query = select(active, db_now().label("serverTime")).where(
+        active.c.leaseOwner == owner, active.c.leaseExpires > db_now()
+    )
+    return _with_data(query).order_by(active.c.priority, active.c.id)
 
 
 def _held_by(owner: str) -> ColumnElement[bool]:
     return and_(active.c.leaseOwner == owner, active.c.leaseExpires > db_now())
-
-
-def _guard(task_id: int, owner: str) -> ColumnElement[bool]:
-    """The fence of every outcome: this id, this owner, lease not expired."""
-    return and_(active.c.id == task_id, _held_by(owner))
 
 
 def _waiting_to_retry() -> ColumnElement[bool]:
@@ -175,6 +194,82 @@ def _waiting_to_retry() -> ColumnElement[bool]:
         active.c.failureTime.is_not(None),
         or_(leased_at.is_(None), leased_at <= active.c.failureTime),
     )
+
+
+# -- the fenced per-task path: built once, with bound parameters ---------------------------
+#
+# ``task_id``, ``owner`` and ``failure_count`` are the fence (``model.Lease``): a row is
+# held while it has this owner, this failure count and an unexpired lease. The failure
+# count tells a leased row from one that failed under the same owner and waits to retry.
+# A NULL ``failure_count`` leaves it out (operator and PHP-style callers).
+
+_FENCE = and_(
+    active.c.id == bindparam("task_id", type_=Integer),
+    active.c.leaseOwner == bindparam("owner", type_=String),
+    or_(
+        bindparam("failure_count", type_=Integer).is_(None),
+        active.c.failureCount == bindparam("failure_count", type_=Integer),
+    ),
+    active.c.leaseExpires > db_now(),
+)
+
+HELD = select(active, db_now().label("serverTime")).where(_FENCE)
+"""The held row (the check before a run), without its data."""
+
+HELD_WITH_DATA = _with_data(HELD)
+"""The held row with its data (a dispatch whose data was too large to travel inline)."""
+
+ARCHIVE = insert(archive).from_select(
+    [*COPIED_COLUMNS, "result", "duration", "dateModified", "archivedEpoch"],
+    select(
+        *(active.c[name] for name in COPIED_COLUMNS),
+        bindparam("result", type_=Integer),
+        bindparam("duration", type_=BigInteger),
+        db_now(),
+        db_now(),
+    )
+    .where(_FENCE)
+    .with_for_update(),
+)
+"""archiveTask(), first half: copy the held row, locked, into the archive (result, µs).
+
+One row inserted means the fence held; the lock keeps the row as copied until commit.
+"""
+
+DELETE_ARCHIVED_ACTIVE = delete(active).where(
+    active.c.id == bindparam("task_id", type_=Integer),
+    active.c.leaseOwner == bindparam("owner", type_=String),
+    exists().where(archive.c.id == active.c.id),
+)
+"""archiveTask(), second half: the active row goes only once its archive row exists."""
+
+RENEW_LEASE = (
+    update(active).where(_FENCE).values(leaseExpires=db_now() + bindparam("seconds", type_=Integer))
+)
+"""Extend a held lease to now + seconds (setLeaseDuration after checkLease)."""
+
+FAIL_TEMPORARY = (
+    update(active)
+    .where(_FENCE)
+    .values(
+        failureCount=active.c.failureCount + 1,
+        failureTime=db_now(),
+        leaseExpires=db_now() + bindparam("wait", type_=Integer),
+        dateModified=db_now(),
+    )
+)
+"""Temporary failure: failureCount + 1, failureTime, retry after ``wait``; owner stays."""
+
+YIELD_LEASE = (
+    update(active)
+    .where(_FENCE)
+    .values(
+        leaseOwner=YIELD_OWNER,
+        leaseExpires=db_now() + bindparam("seconds", type_=Integer),
+        dateModified=db_now(),
+    )
+)
+"""Yield: owner ``(yield)`` until now + seconds; failureCount unchanged."""
 
 
 def count_held_by_class(owner_prefix: str) -> Select:
@@ -199,21 +294,16 @@ def select_task_classes() -> Select:
     return select(active.c.taskClass).distinct()
 
 
-# -- outcomes: PhabricatorWorkerActiveTask::executeTask ----------------------------------
+# -- insert_archive also serves cancel ------------------------------------------------
 
 
-def renew_lease(task_id: int, owner: str, seconds: int) -> Update:
-    """Extend a held lease to now + seconds (setLeaseDuration after checkLease)."""
-    return update(active).where(_guard(task_id, owner)).values(leaseExpires=db_now() + seconds)
-
-
-def lock_held(task_id: int, owner: str) -> Select:
-    """The held row, locked for the archive transaction."""
-    return select(active).where(_guard(task_id, owner)).with_for_update()
+def archived_priority(task_id: int) -> Select:
+    """The priority an archived row kept (its follow-ups inherit it)."""
+    return select(archive.c.priority).where(archive.c.id == task_id)
 
 
 def insert_archive(row: Any, result: int, duration_us: int, **overrides: Any) -> Insert:
-    """The archive row: copied columns, result, duration (µs), no failureTime."""
+    """An archive row from a row read: copied columns, result, duration (µs), no failureTime."""
     values = {name: getattr(row, name) for name in COPIED_COLUMNS}
     values.update(overrides)
     return insert(archive).values(
@@ -222,34 +312,6 @@ def insert_archive(row: Any, result: int, duration_us: int, **overrides: Any) ->
         duration=duration_us,
         dateModified=db_now(),
         archivedEpoch=db_now(),
-    )
-
-
-def delete_held(task_id: int, owner: str) -> Delete:
-    """Remove the archived row from the active table, still fenced by its owner."""
-    return delete(active).where(active.c.id == task_id, active.c.leaseOwner == owner)
-
-
-def fail_temporary(task_id: int, owner: str, wait: int) -> Update:
-    """Temporary failure: failureCount + 1, failureTime, retry after ``wait``; owner stays."""
-    return (
-        update(active)
-        .where(_guard(task_id, owner))
-        .values(
-            failureCount=active.c.failureCount + 1,
-            failureTime=db_now(),
-            leaseExpires=db_now() + wait,
-            dateModified=db_now(),
-        )
-    )
-
-
-def yield_lease(task_id: int, owner: str, seconds: int) -> Update:
-    """Yield: owner ``(yield)`` until now + seconds; failureCount unchanged."""
-    return (
-        update(active)
-        .where(_guard(task_id, owner))
-        .values(leaseOwner=YIELD_OWNER, leaseExpires=db_now() + seconds, dateModified=db_now())
     )
 
 
@@ -371,7 +433,7 @@ def select_tasks(table, selector: TaskFilter) -> Select:
     if selector.max_priority is not None:
         where.append(c.priority <= selector.max_priority)
     query = (
-        select(table, taskdata.c.data.label("rawData"), db_now().label("serverTime"))
+        select(table, _data_bytes(), db_now().label("serverTime"))
         .select_from(table.outerjoin(taskdata, taskdata.c.id == c.dataID))
         .where(*where)
         .order_by(c.id.desc())
@@ -414,3 +476,12 @@ def count_archived_by_class_and_result(since: int) -> Select:
 
 def server_time() -> Select:
     return select(db_now())
+
+
+def get_lock(name: str) -> Select:
+    """MySQL's named lock, taken without waiting, with the server's clock."""
+    return select(func.get_lock(name, 0), db_now())
+
+
+def release_lock(name: str) -> Select:
+    return select(func.release_lock(name))

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from bridge.errors import BridgeError
+
 EXTENSION_FILENAME = "PhorgeBridgeConduitAPIMethods.php"
 EXTENSIONS_DIR = Path("src") / "extensions"
 
 
-class PhorgeRootError(ValueError):
+class PhorgeRootError(BridgeError, ValueError):
     """The given directory is not a Phorge checkout."""
 
 
@@ -53,7 +55,7 @@ class ExtensionStatus:
 
 def shipped_source() -> bytes:
     """The extension's PHP source as shipped in this package (package data)."""
-    return resources.files("bridge").joinpath("phorge", EXTENSION_FILENAME).read_bytes()
+    return resources.files("bridge.phorge").joinpath(EXTENSION_FILENAME).read_bytes()
 
 
 def _sha256(data: bytes) -> str:

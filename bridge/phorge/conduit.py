@@ -1,4 +1,4 @@
-"""Phorge Conduit client and its settings.
+"""Phorge Conduit client.
 
 Speaks the wire format of Phorge's own client (arcanist's ``ConduitClient``): a form POST
 to ``{base}/api/{method}`` carrying ``params`` (JSON, with the API token under
@@ -24,14 +24,9 @@ from urllib.parse import urlsplit
 
 import requests
 
-logger = logging.getLogger(__name__)
+from bridge.errors import BridgeError
 
-ENV_URL = "BRIDGE_CONDUIT_URL"
-ENV_TOKEN = "BRIDGE_CONDUIT_TOKEN"
-ENV_TOKEN_FILE = "BRIDGE_CONDUIT_TOKEN_FILE"
-ENV_CONNECT_TIMEOUT = "BRIDGE_CONDUIT_CONNECT_TIMEOUT"
-ENV_READ_TIMEOUT = "BRIDGE_CONDUIT_READ_TIMEOUT"
-ENV_VERIFY_TLS = "BRIDGE_CONDUIT_VERIFY_TLS"
+logger = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 # A proxied worker runs inside this one HTTP request; cutting it short while PHP carries on
@@ -53,7 +48,7 @@ _EXCERPT_CHARS = 240
 _REDACTED = "[token redacted]"
 
 
-class ConduitError(Exception):
+class ConduitError(BridgeError):
     """Conduit call failed; ``error_code``/``error_info`` are Phorge's, when it answered."""
 
     def __init__(
@@ -100,62 +95,48 @@ def _parse_timeout(name: str, value: float | str) -> float:
     return seconds
 
 
-def validate_base_url(url: str, name: str = ENV_URL) -> str:
-    """Return Phorge's base URI without a trailing slash, or raise ValueError naming ``name``."""
+def validate_base_url(url: str) -> str:
+    """Phorge's base URI without a trailing slash; raises ValueError saying what is wrong."""
     url = url.strip()
     if not url:
-        raise ValueError(f"{name}: must not be empty")
+        raise ValueError("Phorge's base URI must not be empty")
     parts = urlsplit(url)
     if parts.scheme not in {"http", "https"} or not parts.hostname:
-        raise ValueError(f"{name}: expected an http:// or https:// URI of Phorge, got {url!r}")
+        raise ValueError(f"expected an http:// or https:// URI of Phorge, got {url!r}")
     if parts.username or parts.password:
-        raise ValueError(f"{name}: must not carry credentials; use {ENV_TOKEN}/{ENV_TOKEN_FILE}")
+        raise ValueError("must not carry credentials; the API token is a setting of its own")
     if parts.query or parts.fragment:
-        raise ValueError(f"{name}: must not have a query or fragment, got {url!r}")
+        raise ValueError(f"must not have a query or fragment, got {url!r}")
     path = parts.path.rstrip("/")
     if path.endswith("/api"):
         raise ValueError(
-            f"{name}: give Phorge's base URI (e.g. https://phorge.example.com), "
-            f"not its /api/ endpoint"
+            "give Phorge's base URI (e.g. https://phorge.example.com), not its /api/ endpoint"
         )
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
-def validate_token(token: str, name: str = ENV_TOKEN) -> str:
+def validate_token(token: str) -> str:
     """Check the shape Phorge requires of an API token; the message never repeats the token."""
     token = token.strip()
     if not token:
-        raise ValueError(f"{name}: must not be empty")
+        raise ValueError("the API token must not be empty")
     if not _TOKEN_RE.match(token):
         raise ValueError(
-            f"{name}: not a Phorge API token (expected 32 characters starting with "
-            f"'api-', 'cli-' or 'clr-'; the value is not shown)"
+            "not a Phorge API token (expected 32 characters starting with "
+            "'api-', 'cli-' or 'clr-'; the value is not shown)"
         )
     return token
 
 
 @dataclass(frozen=True)
 class ConduitSettings:
-    """How to reach Phorge's Conduit API; validated on construction (ValueError names the
-    environment variable at fault)."""
+    """How to reach Phorge's Conduit API (``bridge.config`` reads and checks them)."""
 
     url: str
     token: str = field(repr=False)
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     read_timeout: float = DEFAULT_READ_TIMEOUT
     verify_tls: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "url", validate_base_url(self.url))
-        object.__setattr__(self, "token", validate_token(self.token))
-        object.__setattr__(
-            self, "connect_timeout", _parse_timeout(ENV_CONNECT_TIMEOUT, self.connect_timeout)
-        )
-        object.__setattr__(
-            self, "read_timeout", _parse_timeout(ENV_READ_TIMEOUT, self.read_timeout)
-        )
-        if not isinstance(self.verify_tls, bool):
-            raise ValueError(f"{ENV_VERIFY_TLS}: expected a boolean, got {self.verify_tls!r}")
 
 
 def _body_excerpt(body: bytes) -> str:
@@ -181,8 +162,8 @@ class ConduitClient:
         verify_tls: bool = True,
         session: requests.Session | None = None,
     ) -> None:
-        self.base_url = validate_base_url(base_url, "base_url")
-        self._token = validate_token(token, "token")
+        self.base_url = validate_base_url(base_url)
+        self._token = validate_token(token)
         self.connect_timeout = _parse_timeout("connect_timeout", connect_timeout)
         self.read_timeout = _parse_timeout("read_timeout", read_timeout)
         self.verify_tls = verify_tls
@@ -282,7 +263,7 @@ class ConduitClient:
                 method,
                 self._scrub(
                     f"Conduit {method}: HTTP {status} redirect from {url} to {location}; "
-                    f"point {ENV_URL} at the final address"
+                    "point the bridge's Conduit URL at the final address"
                 ),
                 http_status=status,
             )

@@ -1,7 +1,7 @@
 """Prometheus metrics of the bridge (multiprocess-safe under prefork).
 
 Counters live in each worker child; with ``PROMETHEUS_MULTIPROC_DIR`` set they are
-aggregated by the exporter that ``bridge.lifecycle`` starts when
+aggregated by the exporter that ``bridge.runtime.lifecycle`` starts when
 ``BRIDGE_METRICS_PORT`` is configured. Queue depth and age are read from the database
 at scrape time, since Flower and broker exporters only see messages.
 """

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge.model import RESULT_CANCELLED, RESULT_FAILURE, RESULT_SUCCESS, Task
 from bridge.queue import PhorgeQueue
+from bridge.queue.model import RESULT_CANCELLED, RESULT_FAILURE, RESULT_SUCCESS, Task
 
 TEST_WORKER = "PhabricatorTestWorker"
 

@@ -1,32 +1,30 @@
 """PhorgeQueue: Phorge's task queue, read and written exactly as Phorge's PHP does.
 
-One class runs every statement of ``bridge.statements`` in the right transactions.
-Outcome methods return whether this caller still owned the row: False means the
-lease was lost and nothing was written.
+It runs every statement of ``bridge.queue.statements`` in the right transactions:
+enqueue, lease, the per-task outcomes (through ``LeaseSession``), ``bin/worker``'s
+operator actions and the reads. Outcome methods return whether the caller still held the
+lease: False means the fence no longer held and nothing was written.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, Row, create_engine, event
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import Connection, Engine, Row
 
-from bridge import statements as sql
-from bridge.dialect import next_task_ids
-from bridge.handlers.base import FollowUp
-from bridge.model import (
+from bridge.queue import statements as sql
+from bridge.queue.dialect import is_mysql, make_engine, next_task_ids
+from bridge.queue.model import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_RETRY_WAIT,
-    MAX_UINT64,
-    MIN_YIELD_SECONDS,
     PRIORITY_DEFAULT,
-    RESULT_FAILURE,
     RESULT_SUCCESS,
     ActionResult,
+    Lease,
     NewTask,
     QueueStats,
     Task,
@@ -34,100 +32,85 @@ from bridge.model import (
     check_owner,
     check_priority,
     check_seconds,
-    decode_data,
-    lease_epoch,
+    task_from_row,
 )
-from bridge.schema import metadata
-from bridge.schema import worker_activetask as active_table
-from bridge.schema import worker_archivetask as archive_table
+from bridge.queue.retry import retrying
+from bridge.queue.schema import metadata
+from bridge.queue.schema import worker_activetask as active_table
+from bridge.queue.schema import worker_archivetask as archive_table
+from bridge.queue.session import LeaseSession
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# InnoDB's "deadlock found" and "lock wait timeout": the transaction was rolled back
-# whole, so running it again is safe (every write in it is guarded).
-_RETRYABLE_MYSQL_ERRORS = {1213, 1205}
-
-
-class LostLease(Exception):
-    """Raised inside a transaction to roll it back when the fence no longer holds."""
-
-
-def make_engine(url: str, **kwargs: Any) -> Engine:
-    """An engine configured for Phorge's tables on MariaDB/MySQL or SQLite."""
-    if url.startswith("sqlite"):
-        engine = create_engine(url, **kwargs)
-        event.listen(engine, "connect", _sqlite_pragmas)
-        event.listen(engine, "begin", _sqlite_begin)
-        return engine
-    connect_args = {
-        "charset": "utf8mb4",
-        # Phorge runs with STRICT_ALL_TABLES; a write it would refuse is refused here too.
-        "init_command": "SET SESSION sql_mode = 'STRICT_ALL_TABLES'",
-    }
-    connect_args.update(kwargs.pop("connect_args", {}))
-    kwargs.setdefault("pool_pre_ping", True)
-    kwargs.setdefault("pool_recycle", 3600)
-    return create_engine(url, connect_args=connect_args, **kwargs)
-
-
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
-    # WAL lets readers (the poller, the CLI) run beside one writer; busy_timeout makes
-    # concurrent writers wait instead of failing at once. Transactions are begun by
-    # ``_sqlite_begin`` instead of pysqlite, so a read-then-write cannot lose its snapshot.
-    dbapi_connection.isolation_level = None
-    dbapi_connection.create_function("owner_epoch", 1, lease_epoch, deterministic=True)
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=30000")
-    cursor.close()
-
-
-def _sqlite_begin(conn: Connection) -> None:
-    # Writers take the write lock up front (a deferred read-then-write could lose its
-    # snapshot); readers take none and read the last committed state beside them.
-    write = conn.get_execution_options().get("bridge_write")
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-
 
 def _task(row: Row, archived: bool = False) -> Task:
-    fields = row._asdict()
-    if "rawData" not in fields:
-        return Task(**fields, archived=archived)
-    data, error = decode_data(fields["rawData"])
-    return Task(**fields, archived=archived, data=data, dataError=error)
+    return task_from_row(row._asdict(), archived)
 
 
 class PhorgeQueue:
     """The worker queue of one Phorge install (one ``{namespace}_worker`` database)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, attempts: int = 5) -> None:
         self.engine = engine
-        self._mysql = engine.dialect.name in ("mysql", "mariadb")
+        self.attempts = attempts  # tries of a transaction through transient errors
+        self._sessions = threading.local()
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> PhorgeQueue:
-        return cls(make_engine(url, **kwargs))
+    def from_url(cls, url: str, attempts: int = 5, **kwargs: Any) -> PhorgeQueue:
+        return cls(make_engine(url, **kwargs), attempts)
 
     def create_tables(self) -> None:
         """Create Phorge's four tables if missing (tests and the embedded default only)."""
         metadata.create_all(self.engine)
 
-    def _transaction(self, work: Callable[[Connection], T], attempts: int = 4) -> T:
-        """Run ``work`` in one transaction, again after an InnoDB deadlock or lock timeout."""
-        for attempt in range(1, attempts + 1):
+    @property
+    def session(self) -> LeaseSession:
+        """This thread's session for the per-task path (one connection, held)."""
+        session = getattr(self._sessions, "session", None)
+        if session is None:
+            session = LeaseSession(self.engine, self._complete_with, self.attempts)
+            self._sessions.session = session
+        return session
+
+    def dispose(self) -> None:
+        """Close this thread's session and the pool (process exit, tests)."""
+        session = getattr(self._sessions, "session", None)
+        if session is not None:
+            session.close()
+            self._sessions.session = None
+        self.engine.dispose()
+
+    def _transaction(self, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` in one transaction, again after a transient error (``retry``)."""
+
+        def attempt() -> T:
+            with self.engine.connect() as conn:
+                conn.execution_options(bridge_write=True)
+                with conn.begin():
+                    return work(conn)
+
+        return retrying("transaction", attempt, self.attempts)
+
+    @contextmanager
+    def poll_lock(self, name: str) -> Iterator[int | None]:
+        """Hold the poll lock ``name`` for the block; yields the database time, or None
+        when another poll holds it (MySQL's ``GET_LOCK``, per server, so per database
+        name too). SQLite, the single-process embedded default, has no such lock.
+        """
+        with self.engine.connect() as conn:
+            if not is_mysql(self.engine):
+                yield int(conn.execute(sql.server_time()).scalar_one())
+                return
+            key = f"phorge-bridge:{self.engine.url.database}:{name}"[:64]
+            got, now = conn.execute(sql.get_lock(key)).one()
+            if not got:
+                yield None
+                return
             try:
-                with self.engine.connect() as conn:
-                    conn.execution_options(bridge_write=True)
-                    with conn.begin():
-                        return work(conn)
-            except DBAPIError as exc:
-                code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
-                if not self._mysql or code not in _RETRYABLE_MYSQL_ERRORS or attempt == attempts:
-                    raise
-                log.info("retrying after MySQL error %s (attempt %d)", code, attempt)
-                time.sleep(0.01 * 2**attempt)
-        raise AssertionError("unreachable")
+                yield int(now)
+            finally:
+                conn.execute(sql.release_lock(key))
 
     def server_time(self) -> int:
         with self.engine.connect() as conn:
@@ -182,46 +165,50 @@ class PhorgeQueue:
         *,
         classes: Sequence[str] | None = None,
         exclude_classes: Sequence[str] | None = None,
+        ids: Sequence[int] | None = None,
+        expired_first: bool = False,
     ) -> list[Task]:
         """Lease up to ``limit`` tasks in Phorge's two phases; returns only rows this call won.
 
         ``owner`` must be unique to this call (see ``model.new_owner``): the final read
-        selects the rows it holds by owner, as PHP does.
+        selects the rows it holds by owner, as PHP does. ``ids`` restricts both phases
+        to those tasks (``PhabricatorWorkerLeaseQuery::withIDs``). ``expired_first``
+        runs the expired phase first, so lost dispatches come back before the backlog.
         """
         check_owner(owner)
         check_seconds("lease seconds", seconds, minimum=1)
-        if limit <= 0 or (classes is not None and not classes):
+        if limit <= 0 or (classes is not None and not classes) or (ids is not None and not ids):
             return []
+        where = sql.LeaseFilter(classes, exclude_classes, ids)
+        phases = [self._take_unleased, self._take_expired]
         won = 0
-        for take_phase in (self._take_unleased, self._take_expired):
+        for take_phase in reversed(phases) if expired_first else phases:
             won += self._transaction(
-                lambda conn, take=take_phase, n=limit - won: take(
-                    conn, n, owner, seconds, classes, exclude_classes
-                )
+                lambda conn, take=take_phase, n=limit - won: take(conn, n, owner, seconds, where)
             )
             if won >= limit:
                 break
         if not won:
             return []
         with self.engine.connect() as conn:
-            return [_task(row) for row in conn.execute(sql.select_held(owner)).all()]
+            return [_task(row) for row in conn.execute(sql.select_leased(owner)).all()]
 
     @staticmethod
-    def _take_unleased(conn, limit, owner, seconds, classes, exclude_classes) -> int:
-        rows = conn.execute(sql.select_unleased(limit, classes, exclude_classes)).all()
+    def _take_unleased(conn, limit, owner, seconds, where) -> int:
+        rows = conn.execute(sql.select_unleased(limit, where)).all()
         ids = [row.id for row in rows]
         return conn.execute(sql.take_unleased(ids, owner, seconds)).rowcount if ids else 0
 
     @staticmethod
-    def _take_expired(conn, limit, owner, seconds, classes, exclude_classes) -> int:
-        rows = conn.execute(sql.select_expired(limit, classes, exclude_classes)).all()
+    def _take_expired(conn, limit, owner, seconds, where) -> int:
+        rows = conn.execute(sql.select_expired(limit, where)).all()
         return conn.execute(sql.take_expired(rows, owner, seconds)).rowcount if rows else 0
 
-    def held(self, task_id: int, owner: str, with_data: bool = True) -> Task | None:
+    def held(
+        self, task_id: int, owner: str, with_data: bool = True, *, failure_count: int | None = None
+    ) -> Task | None:
         """The task if ``owner`` still holds its lease right now (a read, no write)."""
-        with self.engine.connect() as conn:
-            row = conn.execute(sql.select_held(owner, task_id, with_data)).first()
-        return None if row is None else _task(row)
+        return self.session.held(Lease(task_id, owner, failure_count), with_data)
 
     def held_by_class(self, owner_prefix: str) -> dict[str, int]:
         """Live, running leases per task class of every owner starting with the prefix."""
@@ -234,11 +221,6 @@ class PhorgeQueue:
         with self.engine.connect() as conn:
             return list(conn.execute(sql.select_task_classes()).scalars())
 
-    def renew(self, task_id: int, owner: str, seconds: int) -> bool:
-        """Extend a held lease to now + ``seconds`` (claim, heartbeat)."""
-        check_seconds("lease seconds", seconds, minimum=1)
-        return self._guarded(sql.renew_lease(task_id, owner, seconds))
-
     def free_own(self, ids: Sequence[int], owner: str) -> int:
         """Hand back leases ``owner`` holds but never started; returns how many."""
         if not ids:
@@ -247,66 +229,79 @@ class PhorgeQueue:
             lambda conn: conn.execute(sql.free_own_leases(ids, owner)).rowcount
         )
 
-    # -- outcomes -----------------------------------------------------------------------
+    # -- outcomes (fenced: see LeaseSession) ----------------------------------------------
+    #
+    # ``failure_count`` None leaves the failure count out of the fence, as PHP's own
+    # checks do; the executor always passes the count it was dispatched with.
 
-    def _guarded(self, statement) -> bool:
-        return self._transaction(lambda conn: conn.execute(statement).rowcount == 1)
+    def renew(
+        self, task_id: int, owner: str, seconds: int, *, failure_count: int | None = None
+    ) -> bool:
+        """Extend a held lease to now + ``seconds``."""
+        return self.session.renew(Lease(task_id, owner, failure_count), seconds)
 
     def complete(
-        self, task_id: int, owner: str, duration_us: int, followups: Sequence[FollowUp] = ()
+        self,
+        task_id: int,
+        owner: str,
+        duration_us: int,
+        followups: Sequence[NewTask] = (),
+        *,
+        failure_count: int | None = None,
     ) -> bool:
         """Archive with result 0, then enqueue the follow-ups, in one transaction."""
-        check_seconds("duration", duration_us, maximum=MAX_UINT64)
-        # Checked before anything is written; the priority is the parent's, known later.
-        checked = [f.as_new_task(PRIORITY_DEFAULT).validated() for f in followups]
+        return self.session.complete(Lease(task_id, owner, failure_count), duration_us, followups)
 
-        def work(conn: Connection) -> bool:
-            row = self._archive(conn, task_id, owner, RESULT_SUCCESS, duration_us)
-            if row is None:
-                return False
-            # Follow-ups default to the parent's priority, as flushTaskQueue($defaults).
-            inherited = [
-                (f.as_new_task(row.priority), data_json)
-                for f, (_, data_json) in zip(followups, checked, strict=True)
-            ]
-            self._insert_tasks(conn, inherited)
-            return True
-
-        return self._fenced(work)
-
-    def fail_permanent(self, task_id: int, owner: str, reason: str = "") -> bool:
+    def fail_permanent(
+        self, task_id: int, owner: str, reason: str = "", *, failure_count: int | None = None
+    ) -> bool:
         """Archive with result 1 and duration 0; ``reason`` goes to the log (no column)."""
-        won = self._fenced(
-            lambda conn: self._archive(conn, task_id, owner, RESULT_FAILURE, 0) is not None
-        )
+        won = self.session.fail_permanent(Lease(task_id, owner, failure_count))
         if won:
             log.warning("task %d failed permanently: %s", task_id, reason)
         return won
 
-    def _fenced(self, work: Callable[[Connection], bool]) -> bool:
-        try:
-            return self._transaction(work)
-        except LostLease:
-            return False
-
-    def _archive(self, conn: Connection, task_id: int, owner: str, result: int, duration: int):
-        row = conn.execute(sql.lock_held(task_id, owner)).first()
-        if row is None:
-            return None
-        conn.execute(sql.insert_archive(row, result, duration))
-        if conn.execute(sql.delete_held(task_id, owner)).rowcount != 1:
-            raise LostLease(task_id)
-        return row
-
-    def fail_temporary(self, task_id: int, owner: str, wait: int = DEFAULT_RETRY_WAIT) -> bool:
+    def fail_temporary(
+        self,
+        task_id: int,
+        owner: str,
+        wait: int = DEFAULT_RETRY_WAIT,
+        *,
+        failure_count: int | None = None,
+    ) -> bool:
         """Count a failure and hold the task back ``wait`` seconds; the owner stays."""
-        check_seconds("retry wait", wait)
-        return self._guarded(sql.fail_temporary(task_id, owner, wait))
+        return self.session.fail_temporary(Lease(task_id, owner, failure_count), wait)
 
-    def yield_(self, task_id: int, owner: str, seconds: int) -> bool:
+    def yield_(
+        self, task_id: int, owner: str, seconds: int, *, failure_count: int | None = None
+    ) -> bool:
         """Give the task back for at least 5 seconds without counting a failure."""
-        check_seconds("yield seconds", seconds)
-        return self._guarded(sql.yield_lease(task_id, owner, max(seconds, MIN_YIELD_SECONDS)))
+        return self.session.yield_(Lease(task_id, owner, failure_count), seconds)
+
+    def _complete_with(self, lease: Lease, duration_us: int, followups: Sequence[NewTask]) -> bool:
+        """Archive with result 0 and enqueue follow-ups, in one SQLAlchemy transaction."""
+        # Checked before anything is written; the priority is the parent's, known later.
+        for followup in followups:
+            followup.validated()
+        fence = {
+            "task_id": lease.task_id,
+            "owner": lease.owner,
+            "failure_count": lease.failure_count,
+        }
+
+        def work(conn: Connection) -> bool:
+            archived = conn.execute(
+                sql.ARCHIVE, {**fence, "result": RESULT_SUCCESS, "duration": duration_us}
+            )
+            if archived.rowcount != 1:
+                return False
+            conn.execute(sql.DELETE_ARCHIVED_ACTIVE, fence)
+            priority = conn.execute(sql.archived_priority(lease.task_id)).scalar_one()
+            inherited = [f.with_default_priority(priority).validated() for f in followups]
+            self._insert_tasks(conn, inherited)
+            return True
+
+        return self._transaction(work)
 
     # -- reads --------------------------------------------------------------------------
 

@@ -7,8 +7,9 @@ import logging
 from celery.signals import worker_ready, worker_shutting_down
 from celery.worker import state
 
-from bridge.metrics import serve
-from bridge.runtime import runtime
+from bridge.queue import Lease
+from bridge.runtime.context import runtime
+from bridge.runtime.metrics import serve
 
 log = logging.getLogger(__name__)
 
@@ -21,20 +22,20 @@ def start_metrics(**_kwargs) -> None:
         log.info("metrics on %s:%d", settings.metrics_address, settings.metrics_port)
 
 
-def unstarted_leases() -> list[tuple[int, str]]:
-    """(task id, owner) of bridge.execute messages this worker holds but has not started."""
+def unstarted_leases() -> list[Lease]:
+    """Leases of bridge.execute messages this worker holds but has not started."""
     waiting = set(state.reserved_requests) - set(state.active_requests)
-    return [tuple(r.args[:2]) for r in waiting if r.name == "bridge.execute" and len(r.args) >= 2]
+    return [Lease(*r.args[:3]) for r in waiting if r.name == "bridge.execute" and len(r.args) >= 3]
 
 
 def free_unstarted() -> int:
     """Hand back unstarted leases so another worker runs them at once, not after expiry."""
     freed = 0
-    for task_id, owner in unstarted_leases():
+    for lease in unstarted_leases():
         try:
-            freed += runtime().queue.free_own([task_id], owner)
+            freed += runtime().queue.free_own([lease.task_id], lease.owner)
         except Exception as exc:  # shutting down: the lease will expire on its own
-            log.warning("could not free the lease of task %s: %s", task_id, exc)
+            log.warning("could not free the lease of task %s: %s", lease.task_id, exc)
     return freed
 
 

@@ -1,11 +1,13 @@
-"""The two places where MariaDB/MySQL and SQLite differ: the clock and the id counter.
+"""Where MariaDB/MySQL and SQLite differ: engine set-up, the clock and the id counter.
 
 Everything else the bridge says to the database is portable SQLAlchemy Core.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, Integer, text
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Integer, create_engine, event, text
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
@@ -77,3 +79,53 @@ def next_task_ids(conn: Connection, n: int) -> list[int]:
     else:
         last = conn.execute(_SQLITE_NEXT_IDS, {"n": n}).scalar_one()
     return list(range(int(last) - n + 1, int(last) + 1))
+
+
+def is_mysql(engine: Engine) -> bool:
+    return engine.dialect.name in ("mysql", "mariadb")
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine configured for Phorge's tables on MariaDB/MySQL or SQLite."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, **kwargs)
+        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    from MySQLdb.constants.CLIENT import FOUND_ROWS, MULTI_STATEMENTS
+
+    connect_args = {
+        "charset": "utf8mb4",
+        # Phorge runs with STRICT_ALL_TABLES; a write it would refuse is refused here too.
+        "init_command": "SET SESSION sql_mode = 'STRICT_ALL_TABLES'",
+        # FOUND_ROWS: an UPDATE's row count is the rows its guard matched (SQLAlchemy's
+        # own default), so renewing a lease within the same second still counts as held.
+        # MULTI_STATEMENTS: a task's outcome is one transaction sent in one round trip
+        # (``session.LeaseSession``); every value is still a bound parameter.
+        "client_flag": FOUND_ROWS | MULTI_STATEMENTS,
+    }
+    connect_args.update(kwargs.pop("connect_args", {}))
+    kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("pool_recycle", 3600)
+    return create_engine(url, connect_args=connect_args, **kwargs)
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    # WAL lets readers (the poller, the CLI) run beside one writer; busy_timeout makes
+    # concurrent writers wait instead of failing at once. Transactions are begun by
+    # ``_sqlite_begin`` instead of pysqlite, so a read-then-write cannot lose its snapshot.
+    from bridge.queue.model import lease_epoch
+
+    dbapi_connection.isolation_level = None
+    dbapi_connection.create_function("owner_epoch", 1, lease_epoch, deterministic=True)
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    # Writers take the write lock up front (a deferred read-then-write could lose its
+    # snapshot); readers take none and read the last committed state beside them.
+    write = conn.get_execution_options().get("bridge_write")
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bridge.handlers.base import Handler, PermanentFailure, TaskContext, Yield
+from bridge.handlers.api import Handler, PermanentFailure, TaskContext, Yield
 
 
 def _option(task: TaskContext, key: str) -> Any:

@@ -1,0 +1,186 @@
+"""The handler API: what a native Python handler sees and how it reports an outcome.
+
+A handler plays the part of a Phorge ``PhabricatorWorker`` subclass: it serves one or
+more task classes, may declare a required lease, a maximum retry count and a wait
+before retry, and ends a run in one of Phorge's four ways: return (success, with the
+follow-up tasks it queued), raise :class:`Yield`, raise :class:`PermanentFailure`, or
+raise anything else (a temporary failure, retried after the wait). Write one as a
+:class:`Handler` subclass, or as a plain function with the :func:`handler` decorator.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import InitVar, dataclass, field
+from typing import Any
+
+from bridge.errors import BridgeError
+from bridge.queue.model import NewTask
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """One leased task as a handler sees it: the row's Phorge fields and its decoded data."""
+
+    id: int
+    task_class: str
+    data: Any
+    failure_count: int
+    priority: int
+    object_phid: str | None = None
+    container_phid: str | None = None
+    raw_data: InitVar[str | None] = None
+    # Internals: the stored JSON (for the Conduit proxy) and the follow-ups queued so far.
+    _raw_data: str | None = field(init=False, repr=False, compare=False, default=None)
+    _followups: list[NewTask] = field(init=False, repr=False, compare=False, default_factory=list)
+
+    def __post_init__(self, raw_data: str | None) -> None:
+        object.__setattr__(self, "_raw_data", raw_data)
+
+    @property
+    def followups(self) -> tuple[NewTask, ...]:
+        """The follow-up tasks queued so far, in order; the bridge writes them on success."""
+        return tuple(self._followups)
+
+    def queue_task(
+        self,
+        task_class: str,
+        data: Any,
+        *,
+        priority: int | None = None,
+        object_phid: str | None = None,
+        container_phid: str | None = None,
+        delay_until: int | None = None,
+    ) -> None:
+        """Queue a follow-up task (Phorge's ``queueTask``): written only on success.
+
+        ``priority`` None means this task's priority (or the default, when the queue
+        would refuse this task's own, e.g. 0 written by hand). The follow-up is checked
+        now, as the queue will check it: one refused only when the parent is archived
+        would undo that archive and run the finished work again.
+        """
+        followup = NewTask(task_class, data, priority, object_phid, container_phid, delay_until)
+        followup.with_default_priority(self.priority).validated()
+        self._followups.append(followup)
+
+
+def stored_data(task: TaskContext) -> str | None:
+    """The task's data exactly as Phorge stored it, when the runtime read it (internal:
+    the Conduit proxy passes these bytes on to PHP; handlers use ``task.data``)."""
+    return task._raw_data
+
+
+class Yield(BridgeError):
+    """Give the task back for ``delay`` seconds (at least 5) without counting a failure."""
+
+    def __init__(self, delay: int, message: str = "") -> None:
+        super().__init__(message or f"yielded for {delay}s")
+        self.delay = int(delay)
+
+
+class PermanentFailure(BridgeError):
+    """Archive the task with result 1 (failure); it is never retried."""
+
+
+class TemporaryFailure(BridgeError):
+    """Retry the task later; ``delay`` (seconds) overrides the handler's wait before retry."""
+
+    def __init__(self, message: str, delay: int | None = None) -> None:
+        super().__init__(message)
+        self.delay = None if delay is None else int(delay)
+
+
+class Handler(ABC):
+    """Base class for native handlers; subclasses set ``task_classes`` and override ``run``.
+
+    The three policy hooks mirror ``PhabricatorWorker``'s: returning None means "the
+    default" (the configured lease, no retry limit, the configured retry backoff).
+    """
+
+    task_classes: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """Where the handler is defined, as an entry point names it (``module:qualname``)."""
+        return f"{type(self).__module__}:{type(self).__qualname__}"
+
+    def required_lease(self, task: TaskContext) -> int | None:
+        """Seconds of lease the run needs (Phorge's ``getRequiredLeaseTime``)."""
+        return None
+
+    def maximum_retry_count(self, task: TaskContext) -> int | None:
+        """Failures after which the next run fails permanently (``getMaximumRetryCount``)."""
+        return None
+
+    def wait_before_retry(self, task: TaskContext) -> int | None:
+        """Seconds to wait after a temporary failure (``getWaitBeforeRetry``)."""
+        return None
+
+    @abstractmethod
+    def run(self, task: TaskContext) -> None:
+        """Do the work; queue follow-ups with ``task.queue_task``."""
+
+
+class FunctionHandler(Handler):
+    """A handler made by :func:`handler` from a function; calling it calls the function."""
+
+    def __init__(
+        self,
+        function: Callable[[TaskContext], None],
+        task_classes: tuple[str, ...],
+        *,
+        maximum_retry_count: int | None,
+        wait_before_retry: int | None,
+        required_lease: int | None,
+    ) -> None:
+        self.function = function
+        self.task_classes = task_classes
+        self._maximum_retry_count = maximum_retry_count
+        self._wait_before_retry = wait_before_retry
+        self._required_lease = required_lease
+        functools.update_wrapper(self, function)
+
+    @property
+    def name(self) -> str:
+        return f"{self.function.__module__}:{self.function.__qualname__}"
+
+    def run(self, task: TaskContext) -> None:
+        self.function(task)
+
+    __call__ = run
+
+    def required_lease(self, task: TaskContext) -> int | None:
+        return self._required_lease
+
+    def maximum_retry_count(self, task: TaskContext) -> int | None:
+        return self._maximum_retry_count
+
+    def wait_before_retry(self, task: TaskContext) -> int | None:
+        return self._wait_before_retry
+
+
+def handler(
+    *task_classes: str,
+    maximum_retry_count: int | None = None,
+    wait_before_retry: int | None = None,
+    required_lease: int | None = None,
+) -> Callable[[Callable[[TaskContext], None]], FunctionHandler]:
+    """Make a handler of ``task_classes`` from a function ``f(task: TaskContext) -> None``.
+
+    The keyword arguments are the policy hooks' answers, the same for every task.
+    """
+    if not task_classes:
+        raise TypeError("handler() needs at least one task class")
+
+    def decorate(function: Callable[[TaskContext], None]) -> FunctionHandler:
+        return FunctionHandler(
+            function,
+            task_classes,
+            maximum_retry_count=maximum_retry_count,
+            wait_before_retry=wait_before_retry,
+            required_lease=required_lease,
+        )
+
+    return decorate

@@ -1,0 +1,78 @@
+"""How one run of a handler ended, in the queue's vocabulary.
+
+The runtime and the testing helper both classify a run here, so a handler tested with
+``bridge.handlers.testing`` ends exactly as it would under Celery. Nothing is written
+and no metric is recorded: that is the runtime's part.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure, Yield
+from bridge.queue.model import NewTask, Outcome
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HandlerResult:
+    """One run's outcome and what the queue needs to record it.
+
+    ``delay``: for YIELD the seconds asked; for FAILURE the wait the handler declared
+    (the exception's, else ``wait_before_retry``), None meaning the runtime's backoff.
+    """
+
+    outcome: Outcome
+    delay: int | None = None
+    reason: str = ""
+    duration_us: int = 0
+    followups: tuple[NewTask, ...] = ()
+
+
+def policy(hook: Callable[[TaskContext], object], ctx: TaskContext) -> int | None:
+    """A handler's policy answer (seconds, or a count) as an int; None means the default.
+
+    A hook that raises or answers nonsense must not stop the run from being reported:
+    the failure would go uncounted and the task would loop, lease after lease, forever.
+    """
+    try:
+        value: Any = hook(ctx)
+        if value is None:
+            return None
+        if isinstance(value, bool) or int(value) < 0:
+            raise ValueError(f"{value!r} is not a number of seconds or a count")
+        return int(value)
+    except Exception as exc:
+        name = getattr(hook, "__name__", "policy")
+        log.warning("%s#%d: %s: %s; using the default", ctx.task_class, ctx.id, name, exc)
+        return None
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def run_handler(handler: Handler, ctx: TaskContext) -> HandlerResult:
+    """Run the handler once and classify how it ended (Phorge's ``executeTask`` rules)."""
+    started = time.perf_counter()
+    try:
+        handler.run(ctx)
+        outcome, delay, reason = Outcome.SUCCESS, None, ""
+    except Yield as exc:
+        outcome, delay, reason = Outcome.YIELD, exc.delay, ""
+    except PermanentFailure as exc:
+        outcome, delay, reason = Outcome.PERMANENT_FAILURE, None, _reason(exc)
+    except Exception as exc:
+        log.warning("%s#%d failed: %r", ctx.task_class, ctx.id, exc)
+        delay = exc.delay if isinstance(exc, TemporaryFailure) else None
+        if delay is None:
+            delay = policy(handler.wait_before_retry, ctx)
+        outcome, reason = Outcome.FAILURE, _reason(exc)
+    duration_us = int((time.perf_counter() - started) * 1_000_000)
+    followups = ctx.followups if outcome is Outcome.SUCCESS else ()
+    return HandlerResult(outcome, delay, reason, duration_us, followups)

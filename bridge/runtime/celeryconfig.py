@@ -1,0 +1,48 @@
+"""Celery's settings for phorge-bridge, derived from the ``BRIDGE_*`` settings.
+
+Importing it raises ``ConfigError`` (naming the setting) when a setting is bad.
+"""
+
+from kombu import Exchange, Queue
+
+from bridge.config import current_settings
+
+_settings = current_settings()
+
+broker_url = _settings.broker_url
+broker_connection_retry_on_startup = True
+# MySQL is the source of truth; results would only duplicate the archive table.
+task_ignore_result = True
+task_serializer = "json"
+accept_content = ["json"]
+# A message is acked after its task ran, and re-queued if the worker died under it: the
+# lease owner in the message, not the broker, decides whether anything runs again.
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+# Redis re-delivers unacked messages after visibility_timeout: it must outlast any lease,
+# or a long task would be delivered twice (the fence would then drop the second copy).
+if broker_url.startswith("redis"):
+    broker_transport_options = {"visibility_timeout": max(3 * _settings.default_lease, 3600)}
+
+# One direct exchange per queue, so a routing key never reaches two queues.
+task_queues = [
+    Queue(name, Exchange(name, type="direct"), routing_key=name)
+    for name in (_settings.control_queue, *_settings.router.queues)
+]
+task_default_queue = _settings.router.default_queue
+task_routes = {"bridge.poll": {"queue": _settings.control_queue}}
+# The schedule is one interval: nothing worth a file, so beat keeps it in memory and
+# leaves no celerybeat-schedule behind.
+beat_scheduler = "celery.beat:Scheduler"
+beat_schedule = {
+    "poll-phorge-queue": {
+        "task": "bridge.poll",
+        # No expiry: it would compare the beat host's clock with the worker's. A stale
+        # poll costs one lock attempt (bridge.runtime.poller).
+        "schedule": _settings.poll_interval,
+    }
+}
+
+worker_send_task_events = _settings.task_events
+task_send_sent_event = _settings.task_events

@@ -1,0 +1,90 @@
+"""LeaseKeeper: one thread per worker process renews the leases of its running tasks.
+
+Most tasks end long before a third of their lease has passed, so a task costs only two
+dictionary operations here; the thread wakes for the tasks that run long, renews each
+every third of its lease, and stops renewing once a task has used its lease budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from bridge.queue import Lease, PhorgeQueue
+from bridge.queue.retry import DatabaseUnavailable
+from bridge.runtime.metrics import RENEWALS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Watch:
+    """One running task's lease, as the keeper tracks it."""
+
+    lease: Lease
+    label: str
+    length: int  # seconds a renewal asks for
+    deadline: float  # monotonic time after which the budget is spent
+    next_renewal: float
+    lost: bool = False
+
+
+class LeaseKeeper:
+    """Renews leases of long-running tasks in this process from one daemon thread."""
+
+    def __init__(self, queue: PhorgeQueue) -> None:
+        self.queue = queue
+        self._watches: dict[int, Watch] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def watch(self, lease: Lease, label: str, length: int, budget: int) -> Iterator[Watch]:
+        """Keep ``lease`` renewed (``length`` seconds at a time) for at most ``budget`` s."""
+        now = time.monotonic()
+        length = max(length, 3)
+        watch = Watch(lease, label, length, now + budget, now + length / 3)
+        with self._lock:
+            self._watches[lease.task_id] = watch
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+                self._thread.start()
+        try:
+            yield watch
+        finally:
+            with self._lock:
+                self._watches.pop(lease.task_id, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                due = min((w.next_renewal for w in self._watches.values()), default=None)
+            # At most a second asleep, so a task that starts meanwhile is never overslept.
+            time.sleep(1.0 if due is None else min(1.0, max(0.0, due - time.monotonic())))
+            now = time.monotonic()
+            with self._lock:
+                watches = [w for w in self._watches.values() if w.next_renewal <= now]
+            for watch in watches:
+                self._renew(watch, now)
+
+    def _renew(self, watch: Watch, now: float) -> None:
+        left = int(watch.deadline - now)
+        watch.next_renewal = now + watch.length / 3
+        if left <= 0:
+            watch.next_renewal = float("inf")
+            log.warning("%s ran past its lease budget; the lease will expire", watch.label)
+            return
+        try:
+            renewed = self.queue.session.renew(watch.lease, min(watch.length, left))
+        except DatabaseUnavailable as exc:
+            RENEWALS.labels(result="error").inc()
+            log.warning("%s: heartbeat failed, will retry: %s", watch.label, exc)
+            return
+        RENEWALS.labels(result="renewed" if renewed else "lost").inc()
+        if not renewed:
+            watch.lost, watch.next_renewal = True, float("inf")
+            log.warning("%s: lease lost while running; its result will be dropped", watch.label)

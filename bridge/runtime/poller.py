@@ -1,0 +1,104 @@
+"""``bridge.poll``: lease due rows per Celery queue and dispatch them as ``bridge.execute``.
+
+Each queue leases only up to its own free capacity (``max_inflight`` minus the leases
+the bridge holds for its classes), so a flood in one queue never starves another. One
+poll runs at a time (a database lock; an overlapping poll returns at once), so two
+polls never both fill the same capacity. A full dispatch marks its middle task: when
+that task has run, half the capacity is free and the worker asks for a poll at once, so
+throughput is not capped at ``max_inflight / poll_interval``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+from bridge.celery import app
+from bridge.queue import Task
+from bridge.queue.model import new_owner
+from bridge.queue.retry import DatabaseUnavailable, is_transient
+from bridge.runtime.context import Runtime, runtime
+from bridge.runtime.metrics import DISPATCHED
+
+log = logging.getLogger(__name__)
+
+
+def plan(rt: Runtime) -> dict[str, list[str]]:
+    """Runnable task classes present in the queue, grouped by the Celery queue serving them."""
+    by_queue: dict[str, list[str]] = defaultdict(list)
+    for task_class in rt.registry.runnable(rt.queue.task_classes()):
+        by_queue[rt.settings.router.queue_for(task_class)].append(task_class)
+    return by_queue
+
+
+def dispatch(rt: Runtime, tasks: list[Task], queue: str, limit: int) -> int:
+    """Send leased rows to their queue; returns how many were sent before any error."""
+    from bridge.runtime.execute import execute
+
+    inline_max = rt.settings.inline_data_max
+    # The middle of a dispatch that took at least half the capacity asks for the next poll.
+    marked = len(tasks) // 2 if len(tasks) >= max(1, limit // 2) else None
+    with app.producer_or_acquire() as producer:
+        for index, task in enumerate(tasks):
+            kwargs: dict[str, object] = {"taskClass": task.taskClass}
+            if task.rawData is not None and len(task.rawData) <= inline_max:
+                kwargs["data"] = task.rawData
+            if index == marked:
+                kwargs["repoll"] = True
+            try:
+                execute.apply_async(
+                    args=(task.id, task.leaseOwner, task.failureCount),
+                    kwargs=kwargs,
+                    queue=queue,
+                    producer=producer,
+                    argsrepr=repr((task.label,)),
+                    kwargsrepr="{}",
+                )
+            except Exception as exc:
+                log.error("dispatch to %s failed after %d of %d: %s", queue, index, len(tasks), exc)
+                return index
+            DISPATCHED.labels(queue=queue, task_class=task.taskClass).inc()
+    return len(tasks)
+
+
+def poll_once(rt: Runtime) -> int:
+    """One poll; returns how many tasks were dispatched (0 when another poll is running)."""
+    settings = rt.settings
+    with rt.queue.poll_lock(settings.owner_prefix) as now:
+        if now is None:
+            return 0
+        held = rt.queue.held_by_class(settings.owner_prefix)
+        sent = 0
+        for queue, classes in plan(rt).items():
+            limit = settings.max_inflight.for_queue(queue)
+            capacity = limit - sum(held.get(c, 0) for c in classes)
+            if capacity <= 0:
+                continue
+            # The owner's epoch is the database's clock, as failureTime is.
+            owner = new_owner(settings.owner_prefix, now)
+            tasks = rt.queue.lease(
+                capacity, owner, settings.dispatch_lease, classes=classes, expired_first=True
+            )
+            done = dispatch(rt, tasks, queue, limit)
+            if done < len(tasks):
+                # The broker refused: hand the unsent leases back at once rather than
+                # letting them wait out the dispatch lease.
+                rt.queue.free_own([t.id for t in tasks[done:]], owner)
+            sent += done
+        return sent
+
+
+@app.task(name="bridge.poll", acks_late=False, ignore_result=True)
+def poll() -> int:
+    """Beat's periodic poll of Phorge's queue (and the one a marked task asks for)."""
+    try:
+        sent = poll_once(runtime())
+    except Exception as exc:
+        if not (isinstance(exc, DatabaseUnavailable) or is_transient(exc)):
+            raise
+        # The next poll tries again; one line, not a traceback per second.
+        log.warning("poll skipped: database unavailable: %s", exc)
+        return 0
+    if sent:
+        log.info("dispatched %d task(s)", sent)
+    return sent

@@ -1,0 +1,247 @@
+"""``scripts/bench``: set everything up, run the plan scenario by scenario, write the report.
+
+Everything started is stopped and every temporary directory removed on the way out,
+also on an error, Ctrl-C or SIGTERM: each resource is entered into one ``ExitStack``
+as soon as it exists, and each consumer is stopped in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import MySQLdb
+
+from benchkit import ceilings, machine, mariadb, phorge, phorgedb, plan, rabbit
+from benchkit.consumers import REPO, Bridge, Consumer, Phd, ReferenceTaskmaster
+from benchkit.plan import Scenario, Sizes
+from benchkit.procs import BenchError
+from benchkit.report import Context, Report, Result
+from benchkit.runner import Runner
+
+DDL = REPO / "tests" / "reference" / "phorge-worker-schema.sql"
+
+
+class Log:
+    """Progress lines on stderr, stamped with the time since the bench started."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="scripts/bench",
+        description="Benchmark the bridge against Phorge's own taskmaster and two ceilings.",
+    )
+    parser.add_argument("--out", default="bench-report.md", help="report file (bench-report.md)")
+    parser.add_argument("--port", type=int, default=3309, help="port of the bench's MariaDB")
+    parser.add_argument("--quick", action="store_true", help="few tasks, fewer scenarios")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated globs of scenario names, e.g. 'bridge-tuned-*,taskmaster-*' "
+        "(--list shows the names)",
+    )
+    parser.add_argument("--list", action="store_true", help="print the scenario names and exit")
+    sizes = Sizes()
+    for name, help_text in (
+        ("noop", "no-op tasks per run"),
+        ("sleep10", "10 ms tasks per run"),
+        ("io50", "50 ms tasks per bridge run"),
+        ("ceiling", "tasks per ceiling run"),
+        ("light", "light-load latency samples"),
+    ):
+        parser.add_argument(
+            f"--{name}-tasks" if name != "light" else "--light-samples",
+            dest=name,
+            type=int,
+            help=f"{help_text} (default {getattr(sizes, name)}; --quick: less)",
+        )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60,
+        help="fail a run when nothing is archived for this long (s)",
+    )
+    parser.add_argument(
+        "--phorge-root",
+        default=os.environ.get("PHORGE_ROOT", ""),
+        help="a Phorge checkout with arcanist beside it: also run phd (default $PHORGE_ROOT)",
+    )
+    return parser.parse_args(argv)
+
+
+def sizes_from(args: argparse.Namespace) -> Sizes:
+    sizes = plan.QUICK if args.quick else Sizes()
+    given = {
+        name: getattr(args, name)
+        for name in ("noop", "sleep10", "io50", "ceiling", "light")
+        if getattr(args, name) is not None
+    }
+    return replace(sizes, **given)
+
+
+@dataclass
+class Bench:
+    """The shared pieces every scenario uses."""
+
+    scratch: Path
+    server: mariadb.Server
+    broker: rabbit.Broker
+    conn: MySQLdb.Connection
+    runner: Runner
+    tuned: dict[str, str]
+    log: Log
+    phd_env: dict[str, str] | None = None
+    phorge_root: Path | None = None
+    phd_error: str = ""
+
+    def consumer(self, s: Scenario) -> Consumer:
+        name = s.name
+        if s.kind == "bridge":
+            overrides = self.tuned if s.settings == "tuned" else {}
+            return Bridge(
+                name, self.scratch, server=self.server, broker=self.broker, overrides=overrides,
+                pool=s.pool, concurrency=s.concurrency,
+            )  # fmt: skip
+        if s.kind == "taskmaster":
+            return ReferenceTaskmaster(
+                name, self.scratch, server=self.server, processes=s.concurrency
+            )
+        if s.kind == "phd":
+            if self.phd_env is None or self.phorge_root is None:
+                raise BenchError(f"phd not run: {self.phd_error}")
+            return Phd(
+                name, self.scratch, phorge_root=self.phorge_root, env=self.phd_env,
+                processes=s.concurrency,
+            )  # fmt: skip
+        if s.kind == "ceiling-sql":
+            return ceilings.SqlLoop(name, self.scratch, server=self.server, broker=self.broker)
+        raise ValueError(s.kind)
+
+    def run(self, s: Scenario) -> Result:
+        """One scenario; any error becomes the result's ``error``, for the report."""
+        result = Result(s)
+        started = time.monotonic()
+        self.log(f"{s.name}: {s.tasks} tasks ({s.workload.label})")
+        try:
+            if s.kind == "ceiling-celery":
+                result.ceiling = ceilings.plain_celery(
+                    self.broker, self.scratch, s.tasks, s.concurrency
+                )
+            else:
+                self.measure(s, result)
+        except (BenchError, MySQLdb.Error) as exc:
+            result.error = str(exc)
+        except Exception as exc:
+            result.error = f"{exc!r}\n{traceback.format_exc(limit=-3)}"
+        result.wall = time.monotonic() - started
+        self.log(f"{s.name}: {summary(result)} ({result.wall:.0f} s)")
+        return result
+
+    def measure(self, s: Scenario, result: Result) -> None:
+        phorgedb.truncate(self.conn)
+        consumer = self.consumer(s)
+        try:
+            consumer.start()
+            if s.kind != "ceiling-sql":  # the loop warms itself and runs one batch only
+                self.runner.warm_up(consumer, s.workload, max(10, 2 * s.concurrency))
+            if s.light:
+                result.light = self.runner.light(consumer, s.workload, s.light)
+            result.throughput = self.runner.throughput(consumer, s.workload, s.tasks)
+        except BenchError as exc:
+            raise BenchError(f"{exc}{consumer.log_tails()}") from None
+        finally:
+            consumer.stop()
+
+
+def summary(result: Result) -> str:
+    if result.error:
+        return "FAILED: " + result.error.splitlines()[0][:200]
+    if result.throughput and result.throughput.problems:
+        return "FAILED: " + "; ".join(result.throughput.problems)
+    return f"{result.rate:,.0f} tasks/s" if result.rate else "no figure"
+
+
+def raise_interrupt(signum: int, _frame: Any) -> None:
+    """SIGTERM/SIGHUP clean up like Ctrl-C does."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(tuned: dict[str, str], argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = sizes_from(args)
+    phorge_root = Path(args.phorge_root).resolve() if args.phorge_root else None
+    only = [p.strip() for p in args.only.split(",") if p.strip()]
+    scenarios = plan.build(sizes, phorge_root is not None, only)
+    if args.list or not scenarios:
+        print("\n".join(s.name for s in scenarios) or "no scenario matches --only")
+        return 0 if scenarios else 2
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, raise_interrupt)
+    log = Log()
+    context = Context(facts={}, tuned=dict(tuned))
+    with ExitStack() as stack:
+        bench = set_up(stack, args, tuned, log, context, phorge_root, scenarios)
+        results = [bench.run(s) for s in scenarios]
+        context.duration = time.monotonic() - log.started
+        log("stopping the servers")
+    text = Report(results, context).render()
+    Path(args.out).write_text(text)
+    print(text)
+    log(f"report written to {args.out}")
+    return 1 if any(summary(r).startswith("FAILED") for r in results) else 0
+
+
+def set_up(
+    stack: ExitStack,
+    args: argparse.Namespace,
+    tuned: dict[str, str],
+    log: Log,
+    context: Context,
+    phorge_root: Path | None,
+    scenarios: list[Scenario],
+) -> Bench:
+    """Start the servers (each entered into ``stack``), create the tables."""
+    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bridge-bench-")))
+    broker = stack.enter_context(rabbit.broker(REPO, log))
+    if broker.vhost:
+        context.notes.append(f"RabbitMQ: a private vhost per bench run ({broker.vhost}).")
+    else:
+        context.notes.append("RabbitMQ: default vhost; the bridge got queue names of its own.")
+    log(f"starting a durable MariaDB on 127.0.0.1:{args.port}")
+    server = stack.enter_context(mariadb.private_server(args.port, scratch))
+    conn = server.connect()
+    stack.callback(conn.close)
+    phd_env, phd_error = None, ""
+    if phorge_root and any(s.kind == "phd" for s in scenarios):
+        try:
+            install = stack.enter_context(phorge.install(phorge_root, server, conn, scratch, log))
+            phd_env, phorge_root = install.env, install.root
+            context.notes.extend(install.notes)
+        except (BenchError, OSError, subprocess.SubprocessError) as exc:
+            phd_error = str(exc)
+            log(f"phd set-up failed, its scenarios will be reported as not run: {exc}")
+            context.notes.append(f"phd: set-up failed: {phd_error.splitlines()[0]}")
+    phorgedb.create_worker_tables(conn, DDL)
+    context.notes.append(
+        "MariaDB: private, durable (innodb_flush_log_at_trx_commit=1, doublewrite on), "
+        "STRICT_ALL_TABLES, utf8mb4_bin; tables from tests/reference/phorge-worker-schema.sql."
+    )
+    context.facts = machine.describe(conn, REPO)
+    runner = Runner(conn, server.proc.pid, args.stall_timeout, log)
+    return Bench(scratch, server, broker, conn, runner, tuned, log, phd_env, phorge_root, phd_error)

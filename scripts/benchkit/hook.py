@@ -1,0 +1,133 @@
+"""Measurement hooks loaded into the measured processes by a ``sitecustomize`` module.
+
+The bench writes a one-line ``sitecustomize.py`` (``from benchkit import hook;
+hook.install()``) into a temporary directory at the head of the processes' PYTHONPATH,
+so the bridge itself is measured unmodified. In every process it:
+
+- counts database requests where they leave the process: MySQLdb's ``query`` (every
+  cursor execute, one round trip, possibly several ``;``-separated statements),
+  ``commit``, ``rollback``, ``ping`` (pool pre-ping) and ``autocommit``. SQLAlchemy's
+  engine events would miss statements sent on a raw DBAPI connection (the bridge's
+  per-task session does that), so the count is taken one layer down, below
+  SQLAlchemy, which every consumer here goes through;
+- records each finished Celery task (``task_prerun``/``task_postrun``): its first
+  argument (the Phorge task id for ``bridge.execute``), start and end (``time.time()``),
+  thread CPU, and the counters so far (``records.RecordWriter``);
+- writes an empty ``<ready dir>/<pid>`` once the worker is ready (Celery logs "ready."
+  only at INFO, which would slow the worker down).
+
+Everything is off unless ``BENCH_RECORD_DIR`` is set, so a stray import does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from typing import Any
+
+from benchkit.records import CounterBox, RecordWriter
+
+RECORD_DIR_ENV = "BENCH_RECORD_DIR"
+READY_DIR_ENV = "BENCH_READY_DIR"
+
+# A quoted string or identifier (backslash escapes included), or a statement separator.
+_TOKENS = re.compile(rb"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`[^`]*`|;", re.DOTALL)
+_KINDS = {b"START": "begins", b"BEGIN": "begins", b"COMMIT": "commits", b"ROLLBACK": "rollbacks"}
+
+_counters = CounterBox()
+_started: dict[str, tuple[float, float]] = {}
+_started_lock = threading.Lock()
+
+
+def install() -> None:
+    """Connect every hook, if this process is one the bench measures."""
+    record_dir = os.environ.get(RECORD_DIR_ENV)
+    if not record_dir:
+        return
+    _count_database_requests()
+    _record_celery_tasks(RecordWriter(record_dir), os.environ.get(READY_DIR_ENV))
+
+
+def counters() -> CounterBox:
+    """This process's counters (the SQL loop and the taskmaster read them in-process)."""
+    return _counters
+
+
+def statements(query: bytes) -> list[bytes]:
+    """The ``;``-separated statements of one query (separators inside quotes ignored)."""
+    if b";" not in query:
+        return [query]
+    parts, start = [], 0
+    for token in _TOKENS.finditer(query):
+        if token.group() == b";":
+            parts.append(query[start : token.start()])
+            start = token.end()
+    parts.append(query[start:])
+    return [part for part in parts if part.strip()]
+
+
+def count_query(query: bytes | str) -> None:
+    """Count one query: a round trip, and each of its statements by kind."""
+    raw = query.encode() if isinstance(query, str) else bytes(query)
+    kinds = [_KINDS.get(_keyword(statement), "statements") for statement in statements(raw)]
+    _counters.bump("round_trips", *kinds)
+
+
+def _keyword(statement: bytes) -> bytes:
+    words = statement.lstrip()[:20].split(None, 1)
+    return words[0].upper() if words else b""
+
+
+def _count_database_requests() -> None:
+    """Wrap MySQLdb's Connection methods that each make one round trip to the server."""
+    from MySQLdb.connections import Connection
+
+    original_query = Connection.query
+
+    def query(self: Any, sql: Any) -> Any:
+        count_query(sql)
+        return original_query(self, sql)
+
+    Connection.query = query  # type: ignore[method-assign]
+    for name, kind in (
+        ("commit", "commits"),
+        ("rollback", "rollbacks"),
+        ("ping", "pings"),
+        ("autocommit", "others"),
+    ):
+        setattr(Connection, name, _counting(getattr(Connection, name), kind))
+
+
+def _counting(method: Any, kind: str) -> Any:
+    def counted(self: Any, *args: Any) -> Any:
+        _counters.bump(kind, "round_trips")
+        return method(self, *args)
+
+    return counted
+
+
+def _record_celery_tasks(writer: RecordWriter, ready_dir: str | None) -> None:
+    from celery.signals import task_postrun, task_prerun, worker_ready
+
+    def prerun(task_id: str, **_kwargs: Any) -> None:
+        with _started_lock:
+            _started[task_id] = (time.time(), time.thread_time())
+
+    def postrun(task_id: str, task: Any, args: Any = None, **_kwargs: Any) -> None:
+        end, cpu_end = time.time(), time.thread_time()
+        with _started_lock:
+            start, cpu_start = _started.pop(task_id, (end, cpu_end))
+        first = args[0] if args else None
+        phorge_id = first if isinstance(first, int) and not isinstance(first, bool) else None
+        writer.write(task.name, phorge_id, start, end, cpu_end - cpu_start, _counters.snapshot())
+
+    def ready(**_kwargs: Any) -> None:
+        if ready_dir:
+            open(os.path.join(ready_dir, str(os.getpid())), "w").close()
+
+    # weak=False: these closures have no other reference and would be collected.
+    task_prerun.connect(prerun, weak=False)
+    task_postrun.connect(postrun, weak=False)
+    worker_ready.connect(ready, weak=False)

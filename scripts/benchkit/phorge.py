@@ -1,0 +1,129 @@
+"""A real Phorge for ``bin/phd debug taskmaster``, pointed at the bench's MariaDB.
+
+Only when ``PHORGE_ROOT`` (or ``--phorge-root``) names a Phorge checkout with arcanist
+beside it. The checkout is never touched: it is copied (without ``.git``) into the
+bench's temporary directory, and the copy gets its own ``conf/local/local.json`` (the
+checkout's own local config would otherwise override anything passed through
+``PHABRICATOR_ENV``). ``bin/storage upgrade --force`` then creates Phorge's databases on
+the bench's server, after which the bench recreates the four queue tables from the
+reference DDL (the same DDL). Schema creation is thousands of DDL statements, so the
+server's commit flush is relaxed to 2 for that step only and set back to 1 before any
+measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import MySQLdb
+
+from benchkit.mariadb import PASSWORD, USER, Server
+from benchkit.procs import BenchError
+
+UPGRADE_TIMEOUT = 1800
+
+
+@dataclass
+class Install:
+    root: Path  # the copy's phorge directory
+    env: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+
+
+def check_checkout(root: Path) -> None:
+    """Refuse early, with the reason, when phd cannot run from ``root``."""
+    missing = [
+        str(path)
+        for path in (
+            root / "bin" / "phd",
+            root / "bin" / "storage",
+            root.parent / "arcanist" / "src" / "__phutil_library_map__.php",
+        )
+        if not path.exists()
+    ]
+    if missing:
+        raise BenchError(f"PHORGE_ROOT={root} is not a Phorge checkout: no {', '.join(missing)}")
+    if shutil.which("php") is None:
+        raise BenchError("php is not installed (apt-get install php-cli php-mysql ...)")
+    modules = subprocess.run(["php", "-m"], capture_output=True, text=True).stdout.split()
+    absent = [m for m in ("mysqli", "curl", "mbstring", "pcntl") if m not in modules]
+    if absent:
+        raise BenchError(f"PHP lacks {', '.join(absent)} (apt-get install php-mysql ...)")
+
+
+def local_config(server: Server, scratch: Path) -> dict[str, str]:
+    """What the copy's ``conf/local/local.json`` says: our server, logs in scratch."""
+    return {
+        "mysql.host": "127.0.0.1",
+        "mysql.port": str(server.port),
+        "mysql.user": USER,
+        "mysql.pass": PASSWORD,
+        "storage.default-namespace": "phabricator",
+        "phd.log-directory": str(scratch / "phd-log"),
+        "phabricator.base-uri": "http://127.0.0.1:8799/",
+    }
+
+
+def copy_checkout(checkout: Path, target: Path) -> Path:
+    """Copy phorge and arcanist side by side under ``target``; returns the phorge copy."""
+    ignore = shutil.ignore_patterns(".git")
+    for name, source in (("phorge", checkout), ("arcanist", checkout.parent / "arcanist")):
+        shutil.copytree(source, target / name, symlinks=True, ignore=ignore)
+    return target / "phorge"
+
+
+def storage_upgrade(root: Path, env: dict[str, str], conn: MySQLdb.Connection) -> None:
+    cur = conn.cursor()
+    cur.execute("SET GLOBAL innodb_flush_log_at_trx_commit = 2")
+    try:
+        done = subprocess.run(
+            ["php", str(root / "bin" / "storage"), "upgrade", "--force"],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=UPGRADE_TIMEOUT,
+            start_new_session=True,
+        )
+    finally:
+        cur.execute("SET GLOBAL innodb_flush_log_at_trx_commit = 1")
+    if done.returncode:
+        raise BenchError(f"bin/storage upgrade failed:\n{(done.stdout + done.stderr)[-3000:]}")
+
+
+@contextmanager
+def install(
+    checkout: Path,
+    server: Server,
+    conn: MySQLdb.Connection,
+    scratch: Path,
+    log: Callable[[str], None],
+) -> Iterator[Install]:
+    """A configured, upgraded copy of the checkout; it lives (and dies) in ``scratch``."""
+    check_checkout(checkout)
+    log(f"copying {checkout} and its arcanist into the bench's temporary directory")
+    root = copy_checkout(checkout, scratch / "phorge-copy")
+    config = root / "conf" / "local" / "local.json"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps(local_config(server, scratch), indent=2))
+    (scratch / "phd-log").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PHABRICATOR_ENV"}
+    log("bin/storage upgrade --force on the bench's MariaDB (a few minutes)")
+    storage_upgrade(root, env, conn)
+    revision = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    notes = [
+        f"phd: Phorge {revision or '(no git)'} from {checkout}, run from a copy configured for "
+        "the bench's MariaDB; `bin/phd debug taskmaster` (debug mode prints a line per task).",
+    ]
+    yield Install(root, env, notes)

@@ -1,0 +1,117 @@
+"""Which scenarios a run measures, named so that ``--only`` can pick them with globs.
+
+Names: ``ceiling-celery``, ``ceiling-sql``, ``taskmaster-<workload>-p<N>``,
+``phd-<workload>-p<N>``, ``bridge-<default|tuned>-<workload>-<c|t><N>`` (``c``: prefork
+processes, ``t``: threads), workloads ``noop``, ``10ms``, ``io50``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from benchkit.runner import IO50, NOOP, SLEEP10, Workload
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Task counts and pool sizes; ``--quick`` shrinks them."""
+
+    noop: int = 2000
+    sleep10: int = 1000
+    io50: int = 1000
+    reference_io50: int = 100  # the reference taskmaster runs 50 ms tasks one at a time
+    ceiling: int = 4000
+    light: int = 30
+    prefork: tuple[int, ...] = (1, 2, 4)
+    threads: tuple[int, ...] = (8, 16, 32)
+    taskmasters: tuple[int, ...] = (1, 2)
+    ceiling_concurrency: int = 4
+
+
+QUICK = Sizes(
+    noop=300,
+    sleep10=200,
+    io50=200,
+    reference_io50=40,
+    ceiling=1000,
+    light=10,
+    prefork=(2,),
+    threads=(16,),
+    taskmasters=(1,),
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    kind: str  # ceiling-celery | ceiling-sql | taskmaster | phd | bridge
+    workload: Workload
+    tasks: int
+    light: int = 0  # light-load latency samples, 0 for none
+    settings: str = ""  # bridge: "default" or "tuned"
+    pool: str = "prefork"
+    concurrency: int = 1  # bridge: -c; taskmaster/phd: processes
+
+    @property
+    def deployment(self) -> str:
+        """How the consumer ran, for the report."""
+        if self.kind == "bridge":
+            return f"{self.pool} -c {self.concurrency}"
+        if self.kind in ("taskmaster", "phd"):
+            return f"{self.concurrency} process{'es' if self.concurrency > 1 else ''}"
+        return ""
+
+
+def workloads(sizes: Sizes) -> list[tuple[Workload, int, str, tuple[int, ...]]]:
+    """(workload, tasks, bridge pool, bridge concurrencies)."""
+    return [
+        (NOOP, sizes.noop, "prefork", sizes.prefork),
+        (SLEEP10, sizes.sleep10, "prefork", sizes.prefork),
+        (IO50, sizes.io50, "threads", sizes.threads),
+    ]
+
+
+def references(kind: str, sizes: Sizes) -> list[Scenario]:
+    """Phorge-style taskmasters: every process count on no-op and 10 ms, one on 50 ms."""
+    found = []
+    for workload, tasks in ((NOOP, sizes.noop), (SLEEP10, sizes.sleep10)):
+        for n in sizes.taskmasters:
+            light = sizes.light if n == sizes.taskmasters[0] else 0
+            name = f"{kind}-{workload.key}-p{n}"
+            found.append(Scenario(name, kind, workload, tasks, light, concurrency=n))
+    name = f"{kind}-{IO50.key}-p1"
+    found.append(Scenario(name, kind, IO50, sizes.reference_io50, 0, concurrency=1))
+    return found
+
+
+def bridge(sizes: Sizes) -> list[Scenario]:
+    found = []
+    for settings in ("default", "tuned"):
+        for workload, tasks, pool, concurrencies in workloads(sizes):
+            for n in concurrencies:
+                light = sizes.light if n == concurrencies[0] else 0
+                letter = "t" if pool == "threads" else "c"
+                name = f"bridge-{settings}-{workload.key}-{letter}{n}"
+                found.append(Scenario(name, "bridge", workload, tasks, light, settings, pool, n))
+    return found
+
+
+def build(sizes: Sizes, with_phd: bool, only: list[str]) -> list[Scenario]:
+    """Every scenario in running order (references and ceilings first), filtered."""
+    scenarios = [
+        Scenario(
+            "ceiling-celery",
+            "ceiling-celery",
+            NOOP,
+            sizes.ceiling,
+            concurrency=sizes.ceiling_concurrency,
+        ),
+        Scenario("ceiling-sql", "ceiling-sql", NOOP, sizes.ceiling),
+        *references("taskmaster", sizes),
+        *(references("phd", sizes) if with_phd else []),
+        *bridge(sizes),
+    ]
+    if only:
+        scenarios = [s for s in scenarios if any(fnmatch.fnmatch(s.name, p) for p in only)]
+    return scenarios

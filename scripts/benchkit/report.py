@@ -1,0 +1,326 @@
+"""The markdown report: how to read it, the machine, then the figures side by side."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from benchkit.ceilings import CeilingResult
+from benchkit.plan import Scenario
+from benchkit.runner import IO50, NOOP, SLEEP10, Latency, Percentiles, Throughput, Workload
+
+HOW_TO_READ = """\
+**How to read this.** Every consumer drains the same Phorge queue on the same private,
+durable MariaDB (one fsync per commit) and, for Celery, the same RabbitMQ. All tasks of
+a run are enqueued in ONE transaction; the clock starts when its COMMIT returns and stops
+when the last task is archived (exactly: the consumer's own record of that archive; for
+phd, when the bench saw it, polling every 10 ms). *tasks/s* is tasks / that time. The
+*reference taskmaster* is Phorge's PHP taskmaster loop re-implemented statement for
+statement in Python (`scripts/benchkit/taskmaster.py`): 1 process is what one PHP daemon
+does; ratios are to it (same workload, 1 process), to `phd` when run, and to the lower
+of the two ceilings (plain Celery with no database; the bridge's SQL without Celery),
+which the bridge cannot beat. *Latency* runs from the enqueue COMMIT to the task's start
+and to its archive: at light load (one task at a time, so mostly the poll interval) and
+at saturation (the throughput run, where it is mostly queueing). *Cost* is per archived
+task over the throughput run: requests the consumer's client sent (SQLAlchemy events;
+round trips = statements + explicit BEGINs + commits + rollbacks + pings), the server's
+own counters (`Questions` counts every statement including COMMIT/ROLLBACK, less the
+bench's own polling), and CPU milliseconds from /proc: the worker processes (the
+bridge's poll runs inside them; its share is shown apart), beat, MariaDB and RabbitMQ.
+*Machine busy* is the share of both cores in use during the run: near 100% means the
+machine, not the consumer, was the limit. A failed scenario is listed at the end with
+the reason; it does not stop the others."""
+
+
+THROUGHPUT_NOTE = (
+    "*seconds*: enqueue COMMIT to last archive; *first start*: enqueue COMMIT to the first "
+    "task's start (the poll interval or idle sleep); *steady tasks/s*: tasks / (seconds - "
+    "first start). Ratios: tasks/s, and steady tasks/s in parentheses."
+)
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    throughput: Throughput | None = None
+    ceiling: CeilingResult | None = None
+    light: Latency | None = None
+    error: str | None = None
+    wall: float = 0.0  # seconds the whole scenario took, start-up included
+
+    @property
+    def rate(self) -> float | None:
+        if self.throughput and not self.throughput.problems:
+            return self.throughput.rate
+        if self.ceiling:
+            return self.ceiling.rate
+        return None
+
+
+@dataclass
+class Context:
+    """Everything the report shows besides the results."""
+
+    facts: dict[str, str]
+    tuned: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+    duration: float = 0.0
+
+
+def table(headers: list[str], rows: Iterable[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def number(value: float | None, digits: int = 0) -> str:
+    if value is None or math.isnan(value):
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    if value is None or not base:
+        return "n/a"
+    return f"{value / base:.2f}x"
+
+
+def ms(value: float | None) -> str:
+    return number(None if value is None else value * 1000, 1)
+
+
+def both_ratios(r: Result, base: Result | None) -> str:
+    """Ratio of tasks/s, then (in parentheses) of steady tasks/s."""
+    if base is None or r.throughput is None or base.throughput is None:
+        return "n/a"
+    if r.rate is None or base.rate is None:
+        return "n/a"
+    steady = r.throughput.steady_rate / base.throughput.steady_rate
+    return f"{ratio(r.rate, base.rate)} ({steady:.2f}x)"
+
+
+def busy(t: Throughput | CeilingResult | None) -> str:
+    """The machine's CPU use, and in parentheses the part no measured process explains."""
+    if t is None:
+        return "n/a"
+    return f"{t.machine_busy * 100:.0f}% ({t.others_busy * 100:.0f}%)"
+
+
+def pcts(p: Percentiles | None) -> str:
+    return "n/a" if p is None else f"{ms(p.p50)} / {ms(p.p95)} / {ms(p.p99)}"
+
+
+def label(s: Scenario) -> str:
+    if s.kind == "bridge":
+        return f"bridge {s.settings}, {s.deployment}"
+    if s.kind == "taskmaster":
+        return f"reference taskmaster, {s.deployment}"
+    if s.kind == "phd":
+        return f"phd debug taskmaster, {s.deployment}"
+    return s.name
+
+
+class Report:
+    def __init__(self, results: list[Result], context: Context) -> None:
+        self.results, self.context = results, context
+
+    def find(self, name: str) -> Result | None:
+        return next((r for r in self.results if r.scenario.name == name), None)
+
+    def rate_of(self, name: str) -> float | None:
+        found = self.find(name)
+        return found.rate if found else None
+
+    def lower_ceiling(self) -> float | None:
+        rates = [self.rate_of("ceiling-celery"), self.rate_of("ceiling-sql")]
+        known = [r for r in rates if r]
+        return min(known) if known else None
+
+    def of_workload(self, workload: Workload, kinds: tuple[str, ...]) -> list[Result]:
+        return [
+            r for r in self.results if r.scenario.workload == workload and r.scenario.kind in kinds
+        ]
+
+    # -- sections -----------------------------------------------------------------------
+
+    def render(self) -> str:
+        parts = [
+            "# phorge-bridge benchmark",
+            HOW_TO_READ,
+            "## Machine",
+            table(list(self.context.facts), [list(self.context.facts.values())]),
+            self.settings(),
+            "## Throughput",
+            *self.per_workload(self.throughput_table),
+            "## Ceilings",
+            self.ceilings(),
+            "## Latency (ms: p50 / p95 / p99)",
+            *self.per_workload(self.latency_table),
+            "## Cost per archived task",
+            *self.per_workload(self.cost_table),
+            self.failures(),
+        ]
+        return "\n\n".join(p for p in parts if p) + "\n"
+
+    def settings(self) -> str:
+        tuned = ", ".join(f"`{k}={v}`" for k, v in self.context.tuned.items()) or "(none)"
+        lines = [
+            "## Set-up",
+            "- bridge *default*: only `BRIDGE_DATABASE_URL` and `BRIDGE_BROKER_URL` set.",
+            f"- bridge *tuned*: the defaults plus {tuned}.",
+            "- each bridge run: `celery -A bridge beat` plus ONE `celery -A bridge worker -Q "
+            "bridge.control,phorge` (the poll runs on the control queue in that worker); "
+            "prefork for the no-op and 10 ms workloads, `-P threads` for 50 ms.",
+            "- every consumer is warmed up with a small batch first (not measured).",
+            *(f"- {note}" for note in self.context.notes),
+            f"- whole bench: {self.context.duration / 60:.1f} min.",
+        ]
+        return "\n".join(lines)
+
+    def per_workload(self, build: Callable[[Workload], str | None]) -> list[str]:
+        sections = []
+        for workload in (NOOP, SLEEP10, IO50):
+            body = build(workload)
+            if body:
+                sections += [f"### {workload.label} (`{workload.data_json}`)", body]
+        return sections
+
+    def throughput_table(self, workload: Workload) -> str | None:
+        results = self.of_workload(workload, ("taskmaster", "phd", "bridge"))
+        if not results:
+            return None
+        bases = [
+            self.find(f"taskmaster-{workload.key}-p1"),
+            self.find(f"phd-{workload.key}-p1"),
+        ]
+        ceiling = self.lower_ceiling()
+        rows = []
+        for r in results:
+            t = r.throughput
+            ok = t is not None and not t.problems
+            rows.append(
+                [
+                    label(r.scenario),
+                    str(r.scenario.tasks),
+                    number(t.seconds, 2) if t else "failed",
+                    number(t.first_start, 2) if t else "",
+                    f"**{number(r.rate)}**",
+                    number(t.steady_rate) if ok and t else "n/a",
+                    *(both_ratios(r, base) for base in bases),
+                    ratio(r.rate, ceiling),
+                    busy(t),
+                ]
+            )
+        headers = ["consumer", "tasks", "seconds", "first start (s)", "tasks/s", "steady tasks/s"]
+        headers += ["vs taskmaster x1", "vs phd x1", "vs lower ceiling", "machine busy (others)"]
+        return THROUGHPUT_NOTE + "\n\n" + table(headers, rows)
+
+    def ceilings(self) -> str:
+        rows = []
+        celery, sql = self.find("ceiling-celery"), self.find("ceiling-sql")
+        if celery:
+            c = celery.ceiling
+            rows.append(
+                [
+                    f"plain Celery no-op, 1 worker prefork -c {celery.scenario.concurrency} "
+                    f"({c.settings if c else ''})",
+                    str(celery.scenario.tasks),
+                    f"**{number(celery.rate)}**",
+                    ms(c.worker_cpu / c.tasks) if c else "n/a",
+                    busy(c),
+                ]
+            )
+        if sql:
+            t = sql.throughput
+            rows.append(
+                [
+                    "the bridge's SQL in a loop, no Celery (lease batch, execute each)",
+                    str(sql.scenario.tasks),
+                    f"**{number(sql.rate)}**",
+                    ms(t.cpu.get("workers", 0) / t.tasks) if t else "n/a",
+                    busy(t),
+                ]
+            )
+        if not rows:
+            return "(not run)"
+        headers = ["ceiling", "tasks", "tasks/s", "CPU ms/task (its processes)"]
+        headers.append("machine busy (others)")
+        return table(headers, rows)
+
+    def latency_table(self, workload: Workload) -> str | None:
+        results = self.of_workload(workload, ("taskmaster", "phd", "bridge"))
+        rows = []
+        for r in results:
+            light, t = r.light, r.throughput
+            if light is None and t is None:
+                continue
+            rows.append(
+                [
+                    label(r.scenario),
+                    pcts(light.to_start) if light else "",
+                    pcts(light.to_archive) if light else "",
+                    pcts(t.latency.to_start) if t else "n/a",
+                    pcts(t.latency.to_archive) if t else "n/a",
+                ]
+            )
+        if not rows:
+            return None
+        headers = ["consumer", "light: to start", "light: to archive"]
+        return table([*headers, "saturated: to start", "saturated: to archive"], rows)
+
+    def cost_table(self, workload: Workload) -> str | None:
+        kinds = ("taskmaster", "phd", "bridge", "ceiling-sql") if workload == NOOP else ()
+        results = [r for r in self.of_workload(workload, kinds or ("taskmaster", "phd", "bridge"))]
+        rows = [cost_row(r) for r in results if r.throughput]
+        if not rows:
+            return None
+        headers = [
+            "consumer", "statements", "commits", "round trips", "Questions", "Com_commit",
+            "Com_rollback", "Handler_commit", "worker CPU", "(poll)", "beat CPU",
+            "MariaDB CPU", "RabbitMQ CPU",
+        ]  # fmt: skip
+        note = (
+            "Client-side counts (statements, commits, round trips) come from the consumer's "
+            "own processes; server-side ones from MariaDB's global status. CPU in ms per task."
+        )
+        return note + "\n\n" + table(headers, rows)
+
+    def failures(self) -> str:
+        rows = []
+        for r in self.results:
+            problems = list(r.throughput.problems) if r.throughput else []
+            if r.error:
+                problems.append(r.error)
+            for problem in problems:
+                rows.append(f"- `{r.scenario.name}`: {problem}")
+        if not rows:
+            return "## Failures\n\nNone: every task of every run was archived once, result 0."
+        return "## Failures\n\n" + "\n".join(rows)
+
+
+def cost_row(r: Result) -> list[str]:
+    t = r.throughput
+    assert t is not None
+    n = t.tasks
+
+    def per(value: float | None, digits: int = 2) -> str:
+        return "n/a" if value is None else number(value / n, digits)
+
+    client = t.client
+    name = label(r.scenario) if r.scenario.kind != "ceiling-sql" else "bridge SQL loop (ceiling)"
+    return [
+        name,
+        per(client.statements if client else None),
+        per(client.commits if client else None),
+        per(client.round_trips if client else None),
+        per(t.server["Questions"]),
+        per(t.server["Com_commit"]),
+        per(t.server["Com_rollback"]),
+        per(t.server["Handler_commit"]),
+        ms(t.cpu.get("workers", 0.0) / n),
+        ms(t.poller_cpu / n) if t.poller_cpu is not None else "",
+        ms(t.cpu["beat"] / n) if "beat" in t.cpu else "",
+        ms(t.db_cpu / n),
+        ms(t.broker_cpu / n) if t.broker_cpu is not None else "n/a",
+    ]

@@ -1,0 +1,288 @@
+"""A reference taskmaster: Phorge's PHP taskmaster loop, statement for statement, in Python.
+
+    python3 -m benchkit.taskmaster --port 3309 --records DIR --ready FILE
+
+It gives the bridge's figures a baseline on the same machine and database without
+needing PHP: what one ``PhabricatorTaskmasterDaemon`` does to the database per task.
+It mirrors, as of Phorge 07c1a51310 (``src/infrastructure/daemon/workers/``):
+
+- ``PhabricatorTaskmasterDaemon.php`` ``run()``: lease ONE task
+  (``PhabricatorWorkerLeaseQuery->setLimit(1)``), execute it, then ``sleep(0)``; when
+  nothing was leased, ``sleep(1)``: a whole second (``PhutilDaemon::sleep`` calls PHP's
+  ``sleep(min($duration, 60))``, woken early only by the overseer's SIGUSR2, which
+  enqueueing does not send).
+- ``query/PhabricatorWorkerLeaseQuery.php`` ``execute()``: phase "unleased"
+  (``leaseOwner IS NULL ORDER BY priority ASC, id ASC LIMIT 1``), then only if that
+  leased nothing, phase "expired" (``leaseExpires < UNIX_TIMESTAMP() ORDER BY
+  leaseExpires ASC``); each a SELECT of ``id, leaseOwner`` then an UPDATE repeating the
+  condition (``leaseOwner IS NULL AND id IN (...)``, or ``(id = %d AND leaseOwner = %s)``)
+  that sets ``leaseOwner`` and ``leaseExpires = UNIX_TIMESTAMP() + 7200``; the affected
+  row count decides; then the final ``SELECT task.*, taskdata.data _taskData,
+  UNIX_TIMESTAMP() _serverTime ... LEFT JOIN ... WHERE task.leaseOwner = %s AND
+  leaseExpires > UNIX_TIMESTAMP()`` with the last phase's ORDER BY and the LIMIT. The
+  owner is ``getLeaseOwnershipName()``: ``pid:time:host:sequence``, host cut to 32 bytes.
+- ``storage/PhabricatorWorkerActiveTask.php`` ``executeTask()``: ``checkLease()`` from
+  the server time read at lease plus local elapsed time (no query), the maximum retry
+  count, the required lease (an UPDATE of the whole row, as ``LiskDAO::update``, only
+  when the worker asks), the run timed in microseconds, then ``archiveTask()``, i.e.
+  ``PhabricatorWorkerArchiveTask::save()``: ``START TRANSACTION``, ``DELETE FROM
+  worker_activetask WHERE id = %d``, ``INSERT INTO worker_archivetask (...)`` with
+  ``dateModified = archivedEpoch = time()``, ``COMMIT``. A temporary failure updates the
+  whole row (failureCount + 1, failureTime, leaseExpires = server time + 300).
+- ``__tests__/PhabricatorTestWorker.php``: ``usleep(duration * 1000000)``; ``doWork``
+  ``fail-temporary``/``fail-permanent``; the three policy overrides from the data.
+
+One connection, autocommit on (as PHP's mysqli), kept for the whole run. Statements are
+sent as text with client-side quoting, as ``qsprintf`` does.
+
+What differs, deliberately: there is no overseer (no heartbeat lines on stdout, no
+``daemon_log`` rows, no pool autoscaling or hibernation), no PHP interpreter (so the CPU
+per task is Python's, not PHP's: compare round trips and commits, not CPU), and it
+records, per task, when it started and archived it (``records.RecordWriter``), with
+the request counts the bench's ``hook`` keeps when loaded (it is, under the bench).
+Yields are not implemented (the test worker never yields). SIGTERM ends it at once;
+every record is already on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import MySQLdb
+
+from benchkit import hook
+from benchkit.records import RecordWriter
+
+DEFAULT_LEASE = 2 * 60 * 60  # PhabricatorWorkerLeaseQuery::getDefaultLeaseDuration
+DEFAULT_RETRY_WAIT = 5 * 60  # PhabricatorWorkerLeaseQuery::getDefaultWaitBeforeRetry
+IDLE_SLEEP = 1  # PhabricatorTaskmasterDaemon: "When there's no work, sleep for one second."
+RESULT_SUCCESS, RESULT_FAILURE = 0, 1
+
+PHASES = {
+    # phase: (WHERE of the SELECT, ORDER BY)  -- buildCustomWhereClause, buildOrderClause
+    "unleased": ("WHERE leaseOwner IS NULL", "ORDER BY priority ASC, id ASC"),
+    "expired": ("WHERE leaseExpires < UNIX_TIMESTAMP()", "ORDER BY leaseExpires ASC"),
+}
+ARCHIVE_COLUMNS = (
+    "id", "taskClass", "leaseOwner", "leaseExpires", "failureCount", "dataID", "priority",
+    "objectPHID", "containerPHID", "result", "duration", "archivedEpoch", "dateCreated",
+    "dateModified",
+)  # fmt: skip
+ACTIVE_COLUMNS = (
+    "taskClass", "leaseOwner", "leaseExpires", "failureCount", "dataID", "failureTime",
+    "priority", "objectPHID", "containerPHID", "dateCreated", "dateModified",
+)  # fmt: skip
+
+
+class PermanentFailure(Exception):
+    """PhabricatorWorkerPermanentFailureException."""
+
+
+@dataclass
+class Task:
+    row: dict[str, Any]
+    data: Any
+    server_time: int
+    local_time: int  # time() when the row was read: setServerTime()
+
+    @property
+    def id(self) -> int:
+        return int(self.row["id"])
+
+
+class Connection:
+    """The one MySQLdb connection, sending one statement per query as ``queryfx`` does."""
+
+    def __init__(self, conn: MySQLdb.Connection) -> None:
+        self.conn = conn
+
+    def query(self, sql: str, args: Any = None) -> tuple[list[dict[str, Any]], int]:
+        """Run one statement; (rows, affected rows)."""
+        cur = self.conn.cursor(MySQLdb.cursors.DictCursor)
+        affected = cur.execute(sql, args)
+        rows = list(cur.fetchall()) if cur.description else []
+        cur.close()
+        return rows, int(affected)
+
+
+def lease_owner_name(sequence: count) -> str:
+    """``getLeaseOwnershipName()``: pid:time:host:sequence, the host cut to 32 bytes."""
+    host = socket.gethostname()
+    if len(host.encode()) > 32:
+        host = host.encode()[:29].decode(errors="ignore") + "..."
+    return f"{os.getpid()}:{int(time.time())}:{host}:{next(sequence)}"
+
+
+def lease_one(db: Connection, owner: str) -> Task | None:
+    """``PhabricatorWorkerLeaseQuery->setLimit(1)->execute()``."""
+    limit, leased, phase = 1, 0, "unleased"
+    for phase, (where, order) in PHASES.items():
+        rows, _ = db.query(
+            f"SELECT id, leaseOwner FROM `worker_activetask` {where} {order} LIMIT {limit - leased}"
+        )
+        if rows:
+            if phase == "unleased":
+                ids = ", ".join(str(int(r["id"])) for r in rows)
+                condition = f"WHERE leaseOwner IS NULL AND id IN ({ids})"
+                args: tuple[Any, ...] = (owner, DEFAULT_LEASE)
+            else:
+                condition = "WHERE " + " OR ".join(["(id = %s AND leaseOwner = %s)"] * len(rows))
+                args = (
+                    owner,
+                    DEFAULT_LEASE,
+                    *(v for r in rows for v in (r["id"], r["leaseOwner"])),
+                )
+            _, affected = db.query(
+                "UPDATE `worker_activetask` task"
+                f" SET leaseOwner = %s, leaseExpires = UNIX_TIMESTAMP() + %s {condition}",
+                args,
+            )
+            leased += affected
+            if leased == limit:
+                break
+    if not leased:
+        return None
+    rows, _ = db.query(
+        "SELECT task.*, taskdata.data _taskData, UNIX_TIMESTAMP() _serverTime"
+        " FROM `worker_activetask` task LEFT JOIN `worker_taskdata` taskdata"
+        " ON taskdata.id = task.dataID"
+        f" WHERE task.leaseOwner = %s AND leaseExpires > UNIX_TIMESTAMP() {PHASES[phase][1]}"
+        f" LIMIT {limit}",
+        (owner,),
+    )
+    if not rows:
+        return None
+    row = rows[0]
+    raw = row.pop("_taskData")
+    data = json.loads(raw) if raw else None
+    return Task(row, data, int(row.pop("_serverTime")), int(time.time()))
+
+
+def check_lease(task: Task) -> None:
+    """``checkLease()``: judged locally from the server time read at lease."""
+    owner = task.row["leaseOwner"]
+    if not owner or owner == "(yield)":
+        return
+    now = task.server_time + (int(time.time()) - task.local_time)
+    if now >= int(task.row["leaseExpires"]):
+        raise RuntimeError(f"Trying to update Task {task.id} after lease expiration!")
+
+
+def option(task: Task, key: str) -> Any:
+    return task.data.get(key) if isinstance(task.data, dict) else None
+
+
+def do_work(task: Task) -> None:
+    """``PhabricatorTestWorker::doWork()``."""
+    duration = option(task, "duration")
+    if duration:
+        time.sleep(float(duration))
+    match option(task, "doWork"):
+        case "fail-temporary":
+            raise RuntimeError("Temporary failure!")
+        case "fail-permanent":
+            raise PermanentFailure("Permanent failure!")
+
+
+def archive(db: Connection, task: Task, result: int, duration: int) -> None:
+    """``archiveTask()`` then ``PhabricatorWorkerArchiveTask::save()``, one transaction."""
+    check_lease(task)
+    now = int(time.time())
+    values = {**task.row, "result": result, "duration": duration}
+    values.update(archivedEpoch=now, dateModified=now)
+    db.query("START TRANSACTION")
+    try:
+        db.query("DELETE FROM `worker_activetask` WHERE id = %s", (task.id,))
+        columns = ", ".join(f"`{c}`" for c in ARCHIVE_COLUMNS)
+        marks = ", ".join(["%s"] * len(ARCHIVE_COLUMNS))
+        db.query(
+            f"INSERT INTO `worker_archivetask` ({columns}) VALUES ({marks})",
+            tuple(values[c] for c in ARCHIVE_COLUMNS),
+        )
+    except BaseException:
+        db.query("ROLLBACK")
+        raise
+    db.query("COMMIT")
+
+
+def save_with_lease(db: Connection, task: Task, seconds: int) -> None:
+    """``setLeaseDuration()``: expiry = server time at lease + seconds, then ``update()``."""
+    check_lease(task)
+    task.row["leaseExpires"] = task.server_time + seconds
+    task.row["dateModified"] = int(time.time())
+    assignments = ", ".join(f"`{c}` = %s" for c in ACTIVE_COLUMNS)
+    db.query(
+        f"UPDATE `worker_activetask` SET {assignments} WHERE `id` = %s",
+        (*(task.row[c] for c in ACTIVE_COLUMNS), task.id),
+    )
+
+
+def execute_task(db: Connection, task: Task) -> None:
+    """``PhabricatorWorkerActiveTask::executeTask()`` for PhabricatorTestWorker."""
+    check_lease(task)
+    try:
+        limit = option(task, "getMaximumRetryCount")
+        if limit is not None and int(task.row["failureCount"]) > limit:
+            raise PermanentFailure(f"Task {task.id} has exceeded the maximum number of failures")
+        lease = option(task, "getRequiredLeaseTime")
+        if lease is not None:
+            save_with_lease(db, task, int(lease))
+        started = time.time()
+        do_work(task)
+        archive(db, task, RESULT_SUCCESS, int((time.time() - started) * 1_000_000))
+    except PermanentFailure:
+        archive(db, task, RESULT_FAILURE, 0)
+    except Exception:
+        task.row["failureCount"] = int(task.row["failureCount"]) + 1
+        task.row["failureTime"] = int(time.time())
+        wait = option(task, "getWaitBeforeRetry")
+        save_with_lease(db, task, DEFAULT_RETRY_WAIT if wait is None else int(wait))
+
+
+def run(db: Connection, records: RecordWriter) -> None:
+    """``PhabricatorTaskmasterDaemon::run()``, forever (until SIGTERM/SIGKILL)."""
+    sequence = count(1)
+    while True:
+        task = lease_one(db, lease_owner_name(sequence))
+        if task is None:
+            time.sleep(IDLE_SLEEP)
+            continue
+        started, cpu = time.time(), time.thread_time()
+        execute_task(db, task)
+        ended = time.time()
+        cpu = time.thread_time() - cpu
+        records.write("taskmaster", task.id, started, ended, cpu, hook.counters().snapshot())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--user", default="bench")
+    parser.add_argument("--password", default="bench")
+    parser.add_argument("--database", default="phabricator_worker")
+    parser.add_argument("--records", required=True, help="directory for the per-task records")
+    parser.add_argument("--ready", required=True, help="file created once connected")
+    args = parser.parse_args()
+    conn = MySQLdb.connect(
+        host="127.0.0.1",
+        port=args.port,
+        user=args.user,
+        password=args.password,
+        db=args.database,
+        charset="utf8mb4",
+    )
+    conn.autocommit(True)
+    Path(args.ready).touch()
+    run(Connection(conn), RecordWriter(args.records))
+
+
+if __name__ == "__main__":
+    main()
