@@ -8,9 +8,12 @@ the setting, before any connection is made.
 
 from celery import Celery
 
+from bridge.runtime import liveness
+
 app = Celery(
     "bridge",
     include=["bridge.runtime.poller", "bridge.runtime.execute", "bridge.runtime.lifecycle"],
 )
 app.config_from_object("bridge.runtime.celeryconfig", force=True)
 app.config_from_envvar("CELERY_CONFIG_MODULE", silent=True, force=True)
+liveness.install(app)  # `celery -A bridge worker --liveness-file PATH`

@@ -92,6 +92,15 @@ def _port(raw: str) -> int:
     return port
 
 
+def _ports(raw: str) -> range:
+    """``9100``, or ``9100-9103``: the ports to try, in order (one per worker on a host)."""
+    first, _, last = raw.partition("-")
+    low, high = _port(first.strip()), _port(last.strip() or first.strip())
+    if high < low:
+        raise ValueError(f"expected a port or a range LOW-HIGH, got {raw!r}")
+    return range(low, high + 1)
+
+
 def _seconds(raw: str) -> float:
     try:
         value = float(raw)
@@ -275,11 +284,12 @@ class Settings:
         "send Celery task events from the start (Flower turns them on over the control "
         "channel when it connects)",
     )
-    metrics_port: int | None = setting(
+    metrics_port: range | None = setting(
         "BRIDGE_METRICS_PORT",
         "",
-        _optional(_port),
-        "serve Prometheus metrics on this port (off when empty)",
+        _optional(_ports),
+        "serve Prometheus metrics on this port, or on the first free one of a range "
+        "`9100-9103` (one per worker on a host); off when empty",
     )
     metrics_address: str = setting(
         "BRIDGE_METRICS_ADDRESS", "127.0.0.1", str, "address the metrics server binds"
@@ -343,6 +353,9 @@ class Settings:
             connect_timeout=self.conduit_connect_timeout,
             read_timeout=self.conduit_read_timeout,
             verify_tls=self.conduit_verify_tls,
+            token_setting=(
+                "BRIDGE_CONDUIT_TOKEN_FILE" if self.conduit_token_file else "BRIDGE_CONDUIT_TOKEN"
+            ),
         )
 
     @staticmethod

@@ -49,6 +49,15 @@ def _service_url(variable: str) -> str:
     return url
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here, not in tests/faults/conftest.py: pytest reads options before it collects there.
+    parser.addoption(
+        "--long-faults",
+        action="store_true",
+        help="run the fault suite's long variants (30 s database stall, 30,000-task soak)",
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         for fixture, marker in _SERVICE_MARKERS.items():

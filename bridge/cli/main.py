@@ -72,55 +72,41 @@ def show_settings(table: bool) -> None:
         click.echo(f"{setting.name}={shown}")
 
 
-def _phorge_taskmasters(queue: PhorgeQueue) -> int | None:
-    """Running PHP taskmasters per Phorge's daemon log, when it is readable from here."""
-    from sqlalchemy import text
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object with every check.")
+def doctor(as_json: bool) -> None:
+    """Check settings, database, tables, broker, Conduit, the extension, PHP taskmasters
+    and clocks; exit 1 when any check fails."""
+    from bridge.cli import doctor as checks
 
-    url = queue.engine.url
-    if url.get_backend_name() == "sqlite" or not url.database or "_" not in url.database:
-        return None
-    daemon_db = url.database.rsplit("_", 1)[0] + "_daemon"
-    try:
-        with queue.engine.connect() as conn:
-            return conn.execute(
-                text(
-                    f"SELECT COUNT(*) FROM `{daemon_db}`.daemon_log WHERE status = 'run'"
-                    " AND daemon LIKE '%TaskmasterDaemon'"
-                )
-            ).scalar_one()
-    except Exception:
-        return None
+    results = checks.diagnose()
+    click.echo(checks.render(results, as_json))
+    if any(result.status == "fail" for result in results):
+        sys.exit(1)
 
 
 @main.command()
-def doctor() -> None:
-    """Check settings, database, tables and who else consumes the queue."""
-    settings = settings_or_exit()
-    click.echo("settings: ok")
-    queue = PhorgeQueue.from_url(settings.database_url)
-    try:
-        stats = queue.stats()
-    except Exception as exc:
-        raise click.ClickException(f"database: cannot read Phorge's queue: {exc}") from None
-    click.echo(f"database: ok (server time {stats.serverTime})")
-    from bridge.handlers.registry import build_registry
+@click.option(
+    "--liveness-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The file a worker started with --liveness-file refreshes.",
+)
+@click.option(
+    "--max-age",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds without consumption after which the worker counts as dead.",
+)
+def health(liveness_file: Path, max_age: float) -> None:
+    """Exit 1 unless the worker consumed its own broker heartbeat within --max-age."""
+    from bridge.runtime.liveness import staleness
 
-    registry = build_registry(settings)
-    classes = sorted(stats.by_class)
-    served = registry.runnable(classes)
-    click.echo(f"task classes: {len(classes)}; served by the bridge: {', '.join(served) or 'none'}")
-    left = sorted(set(classes) - set(served))
-    if left:
-        click.echo(f"left to PHP (no handler, or excluded): {', '.join(left)}")
-    masters = _phorge_taskmasters(queue)
-    if masters:
-        click.echo(
-            f"warning: {masters} PHP taskmaster(s) are running. They split the work with the "
-            "bridge, and retry Python-only classes every 5 minutes forever: set "
-            "phd.taskmasters to 0 and restart phd (docs/operations.md)."
-        )
-    elif masters is None:
-        click.echo("PHP taskmasters: unknown (Phorge's daemon log is not readable from here)")
+    problem = staleness(liveness_file, max_age)
+    if problem:
+        raise click.ClickException(problem)
+    click.echo("ok: consuming")
 
 
 def selector_options(command: Callable) -> Callable:
@@ -208,16 +194,34 @@ def list_tasks(as_json: bool, **options: Any) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--window", default=3600, show_default=True, help="Seconds of archive to count.")
 def stats(as_json: bool, window: int) -> None:
-    """Queue depth per class and state, as the database sees it."""
+    """Queue depth per class and state, as the database sees it, and each Celery queue's
+    due rows and live consumers (Celery's control API)."""
+    settings = settings_or_exit()  # before the Celery app, which would raise on a bad one
+    from kombu.exceptions import OperationalError
+
+    from bridge.celery import app
+    from bridge.handlers.registry import build_registry
+    from bridge.runtime.consumers import describe, survey
+
     result = open_queue().stats(window)
+    try:
+        queues = survey(app, result, build_registry(settings), settings)
+    except OperationalError as exc:
+        queues, unreachable = [], f"queue consumers: unknown, the broker is unreachable: {exc}"
+    else:
+        unreachable = ""
     if as_json:
-        click.echo(json.dumps(asdict(result)))
+        click.echo(json.dumps({**asdict(result), "queues": [asdict(q) for q in queues]}))
         return
     for task_class, states in sorted(result.by_class.items()):
         counts = ", ".join(f"{state} {count}" for state, count in sorted(states.items()))
         click.echo(f"{task_class}: {counts}")
     if result.oldest_queued_age is not None:
         click.echo(f"oldest queued task: {result.oldest_queued_age} s")
+    for status in queues:
+        click.echo(f"queue {describe(status)}")
+    if unreachable:
+        click.echo(unreachable)
 
 
 def report(results: list[ActionResult], verb: str) -> None:
@@ -260,6 +264,35 @@ main.command("priority")(
         operator_action("priority", "reprioritized", PhorgeQueue.set_priority)
     )
 )
+
+
+@main.command("execute")
+@click.option("--retry", is_flag=True, help="Also execute archived tasks (unarchived first).")
+@click.option("--repeat", is_flag=True, help="With --retry, also tasks that succeeded.")
+@selector_options
+def execute_tasks(retry: bool, repeat: bool, **options: Any) -> None:
+    """Run the selected tasks now, in this process, as a worker would; one line per task.
+
+    Exits 1 unless every task it ran succeeded (bin/worker execute).
+    """
+    import logging
+
+    from bridge.cli.execute import execute_tasks as run_selected
+    from bridge.runtime.context import build_runtime
+    from bridge.runtime.tracing import tag_log_lines
+
+    selector = make_filter(options)
+    if not selector.constrained:
+        raise click.UsageError("select tasks with --id, --class, ... (see --help)")
+    rt = build_runtime(settings_or_exit())
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    tag_log_lines()
+    try:
+        all_succeeded = run_selected(rt, selector, retry, repeat, click.echo)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if not all_succeeded:
+        sys.exit(1)
 
 
 @main.command()

@@ -32,9 +32,13 @@ class TaskContext:
     object_phid: str | None = None
     container_phid: str | None = None
     raw_data: InitVar[str | None] = None
-    # Internals: the stored JSON (for the Conduit proxy) and the follow-ups queued so far.
+    # The execution's W3C trace context: pass it on to what the handler calls.
+    traceparent: str | None = None
+    # Internals: the stored JSON (for the Conduit proxy), the follow-ups queued so far, and
+    # the run time measured where the work ran, when that was not here (the proxy).
     _raw_data: str | None = field(init=False, repr=False, compare=False, default=None)
     _followups: list[NewTask] = field(init=False, repr=False, compare=False, default_factory=list)
+    _measured_us: list[int] = field(init=False, repr=False, compare=False, default_factory=list)
 
     def __post_init__(self, raw_data: str | None) -> None:
         object.__setattr__(self, "_raw_data", raw_data)
@@ -72,6 +76,16 @@ def stored_data(task: TaskContext) -> str | None:
     return task._raw_data
 
 
+def report_measured_duration(task: TaskContext, duration_us: int) -> None:
+    """Record the run time measured where the work ran (internal: the Conduit proxy
+    passes on PHP's, which the archive keeps, as ``phd`` would have recorded it)."""
+    task._measured_us[:] = [int(duration_us)]
+
+
+def measured_duration(task: TaskContext) -> int | None:
+    return task._measured_us[0] if task._measured_us else None
+
+
 class Yield(BridgeError):
     """Give the task back for ``delay`` seconds (at least 5) without counting a failure."""
 
@@ -97,9 +111,12 @@ class Handler(ABC):
 
     The three policy hooks mirror ``PhabricatorWorker``'s: returning None means "the
     default" (the configured lease, no retry limit, the configured retry backoff).
+    ``phorge_defaults`` says the handler stands in for a class Phorge has: its defaults
+    are then Phorge's (a flat 300 s wait before retry), so it behaves as under ``phd``.
     """
 
     task_classes: tuple[str, ...] = ()
+    phorge_defaults: bool = False
 
     @property
     def name(self) -> str:
@@ -115,7 +132,8 @@ class Handler(ABC):
         return None
 
     def wait_before_retry(self, task: TaskContext) -> int | None:
-        """Seconds to wait after a temporary failure (``getWaitBeforeRetry``)."""
+        """Seconds to wait after a temporary failure (``getWaitBeforeRetry``); negative
+        makes the task due at once, as in Phorge."""
         return None
 
     @abstractmethod

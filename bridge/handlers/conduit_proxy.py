@@ -1,10 +1,11 @@
 """The Conduit proxy: runs task classes that only exist in PHP through ``worker.execute``.
 
 The bridge keeps the lease and records the outcome; Phorge only runs the worker and says
-how it ended. Problems reaching Phorge (network, timeouts, 5xx, a bad token, a missing
-extension) are never the task's fault, so they become temporary failures (a yield while
-Phorge is read-only): archiving a task permanently because of them would lose work an
-operator can still save.
+how it ended. Problems reaching Phorge are never archived permanently: that would lose
+work an operator can still save. An outage (the web tier down, a refused token) is not
+the task's failure at all: the task yields, no failure counted, and the process's circuit
+breaker (``bridge.handlers.breaker``) holds proxied work back until Conduit answers
+again. What PHP reports for the task (a 500, an error answer) keeps Phorge's semantics.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from bridge.handlers.api import (
     TaskContext,
     TemporaryFailure,
     Yield,
+    report_measured_duration,
     stored_data,
 )
+from bridge.handlers.breaker import CircuitBreaker
 from bridge.phorge.conduit import (
     ConduitAuthError,
     ConduitClient,
@@ -34,7 +37,9 @@ from bridge.queue.model import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_RETRY_WAIT,
     MIN_YIELD_SECONDS,
+    PRIORITY_DEFAULT,
     Outcome,
+    check_priority,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,6 +48,11 @@ WORKER_EXECUTE = "worker.execute"
 
 ERR_READ_ONLY = "ERR-BRIDGE-READ-ONLY"  # raised by the extension in read-only mode
 READ_ONLY_YIELD = 300
+# A task held back by a Conduit outage comes back this soon; the poller leases no proxied
+# class while the breaker is open, so it is not re-run before Conduit answers again.
+OUTAGE_YIELD = MIN_YIELD_SECONDS
+PROBE_METHOD = "user.whoami"
+PROBE_TIMEOUT = 5.0
 
 # Phorge workers that declare getRequiredLeaseTime(): the lease must be held before the
 # call, and PHP only tells us afterwards. Keep in step with Phorge (the response's
@@ -80,7 +90,13 @@ def execute_params(task: TaskContext) -> dict[str, Any]:
         "priority": task.priority,
         "objectPHID": task.object_phid,
         "containerPHID": task.container_phid,
+        "traceparent": task.traceparent,
     }
+
+
+def trace_headers(task: TaskContext) -> dict[str, str]:
+    """The W3C trace context header of the execution, for whatever the handler calls."""
+    return {"traceparent": task.traceparent} if task.traceparent else {}
 
 
 def _optional_int(value: Any) -> int | None:
@@ -108,11 +124,24 @@ def _queue_followups(task: TaskContext, followups: Any) -> None:
         # PHP encodes an empty options array as [].
         if not isinstance(options, dict):
             options = {}
+        priority = _optional_int(options.get("priority"))
+        try:
+            check_priority(priority if priority is not None else PRIORITY_DEFAULT)
+        except ValueError as exc:
+            # PHP would write it; the queue refuses it: the parent's, as for a native parent.
+            logger.warning(
+                "task %s: follow-up %.64s gets the default priority instead of %s: %s",
+                task.id,
+                entry["taskClass"],
+                priority,
+                exc,
+            )
+            priority = None
         try:
             task.queue_task(
                 entry["taskClass"],
                 entry.get("data"),
-                priority=_optional_int(options.get("priority")),
+                priority=priority,
                 object_phid=options.get("objectPHID") or None,
                 container_phid=options.get("containerPHID") or None,
                 delay_until=_optional_int(options.get("delayUntil")) or None,
@@ -138,9 +167,9 @@ def apply_result(task: TaskContext, result: Any) -> None:
     outcome = result.get("result")
     message = result.get("message") or ""
     if outcome == Outcome.SUCCESS:
-        logger.debug(
-            "task %s (%s): PHP ran it in %s us", task.id, task.task_class, result.get("duration")
-        )
+        duration = _optional_int(result.get("duration"))
+        if duration is not None and duration >= 0:
+            report_measured_duration(task, duration)
         _queue_followups(task, result.get("followups"))
         return
     if outcome == Outcome.YIELD:
@@ -156,25 +185,50 @@ def apply_result(task: TaskContext, result: Any) -> None:
     raise TemporaryFailure(f"worker.execute returned an unknown result: {outcome!r}")
 
 
+def outage_reason(exc: ConduitError, client: ConduitClient) -> str | None:
+    """Why ``exc`` means Conduit is unusable for every task, or None when it is this task's.
+
+    Refused, reset, connect timeouts, 3xx, 502/503/504 and pages that are not Conduit JSON
+    come from the web tier, and a refused token from the bridge's setup: neither is the
+    task's failure. A 500 is PHP failing on this task, and a read timeout may be this
+    task's own slowness: those keep Phorge's semantics.
+    """
+    if isinstance(exc, ConduitAuthError):
+        return (
+            f"PHORGE REFUSED THE BRIDGE'S CONDUIT TOKEN ({exc.error_code}): no PHP task can run "
+            f"until an operator fixes {client.token_setting} (it must be an API token of an "
+            f"administrator account): {exc.error_info}"
+        )
+    if isinstance(exc, ConduitTimeoutError):
+        return None if exc.sent else str(exc)
+    if isinstance(exc, ConduitTransportError) and exc.http_status != 500:
+        return str(exc)
+    return None
+
+
 def conduit_failure(
-    exc: ConduitError, task: TaskContext, client: ConduitClient
+    exc: ConduitError,
+    task: TaskContext,
+    client: ConduitClient,
+    breaker: CircuitBreaker | None = None,
 ) -> TemporaryFailure | Yield:
-    """The outcome for a Conduit problem (never permanent), logged as loudly as it deserves."""
+    """The outcome for a Conduit problem (never permanent), logged as loudly as it deserves.
+
+    An outage yields (no failure counted) and opens ``breaker``, which logs it once.
+    """
     if exc.error_code == ERR_READ_ONLY:
         # Phorge cannot run anything now; the task is not at fault, so no failure is counted.
         logger.warning("task %s (%s): Phorge is read-only; yielding", task.id, task.task_class)
         return Yield(READ_ONLY_YIELD, str(exc))
-    if isinstance(exc, ConduitAuthError):
-        logger.error(
-            "PHORGE REFUSED THE BRIDGE'S CONDUIT TOKEN (%s): task %s (%s) will be retried, but "
-            "no PHP task can run until an operator fixes BRIDGE_CONDUIT_TOKEN (it must be an "
-            "API token of an administrator account): %s",
-            exc.error_code,
-            task.id,
-            task.task_class,
-            exc.error_info,
-        )
-        return TemporaryFailure(str(exc))
+    reason = outage_reason(exc, client)
+    if reason is not None:
+        if breaker is not None:
+            breaker.failure(reason)
+        else:
+            logger.error("task %s (%s): %s", task.id, task.task_class, reason)
+        return Yield(OUTAGE_YIELD, f"Conduit unavailable: {exc}")
+    if breaker is not None:
+        breaker.success()  # Phorge answered: the problem is this task's
     if isinstance(exc, ConduitMethodNotFoundError):
         logger.error(
             "Phorge at %s has no %s method: install the extension "
@@ -186,11 +240,11 @@ def conduit_failure(
         )
         return TemporaryFailure(str(exc))
     if isinstance(exc, ConduitTimeoutError):
-        # PHP may still be running the worker; the retry wait keeps a second run apart.
-        return TemporaryFailure(f"{exc} (the work may still be running in PHP)")
-    if isinstance(exc, ConduitTransportError):
-        logger.warning("task %s (%s): %s", task.id, task.task_class, exc)
-        return TemporaryFailure(str(exc))
+        # PHP may still be running the worker: wait that long again before a second run,
+        # without counting a failure (the task may just be slow, as phd would let it be).
+        message = f"{exc} (the work may still be running in PHP)"
+        logger.warning("task %s (%s): %s", task.id, task.task_class, message)
+        return Yield(max(DEFAULT_RETRY_WAIT, int(client.read_timeout)), message)
     logger.warning("task %s (%s): %s", task.id, task.task_class, exc)
     return TemporaryFailure(str(exc))
 
@@ -210,13 +264,26 @@ class ConduitProxyHandler(Handler):
     ) -> None:
         self.client = client
         self.leases: dict[str, int] = {**PHORGE_REQUIRED_LEASES, **(lease_overrides or {})}
+        self.breaker = CircuitBreaker(self.probe)
+
+    def probe(self) -> str | None:
+        """The breaker's probe: None when Conduit answers and accepts the token, else why not.
+
+        ``user.whoami`` rather than ``conduit.ping``: Phorge answers ping without checking
+        the token, so a revoked token would look healthy.
+        """
+        try:
+            self.client.call(PROBE_METHOD, read_timeout=PROBE_TIMEOUT)
+        except ConduitError as exc:
+            return outage_reason(exc, self.client)
+        return None
 
     def required_lease(self, task: TaskContext) -> int | None:
         return self.leases.get(task.task_class)
 
     def wait_before_retry(self, task: TaskContext) -> int | None:
-        # Phorge's flat wait when PHP could not say (transport, auth): the native backoff
-        # is for native handlers; a timed-out call may still be running in PHP.
+        # Phorge's flat wait when PHP could not say (a 500, an unknown answer): the native
+        # backoff is for native handlers.
         return max(DEFAULT_RETRY_WAIT, int(self.client.read_timeout))
 
     def _read_timeout(self, task: TaskContext) -> float:
@@ -227,12 +294,20 @@ class ConduitProxyHandler(Handler):
         return max(self.client.read_timeout, float(lease - LEASE_MARGIN))
 
     def run(self, task: TaskContext) -> None:
+        if not self.breaker.allow():
+            raise Yield(
+                OUTAGE_YIELD, f"held back while Conduit is unavailable: {self.breaker.reason}"
+            )
         try:
             result = self.client.call(
-                WORKER_EXECUTE, execute_params(task), read_timeout=self._read_timeout(task)
+                WORKER_EXECUTE,
+                execute_params(task),
+                read_timeout=self._read_timeout(task),
+                headers=trace_headers(task),
             )
         except ConduitError as exc:
-            raise conduit_failure(exc, task, self.client) from None
+            raise conduit_failure(exc, task, self.client, self.breaker) from None
+        self.breaker.success()
         self._check_lease(task, result)
         apply_result(task, result)
 

@@ -2,8 +2,11 @@
 
 Phorge only supplies the story (through the extension's ``worker.feedstory``); the POST
 itself is made here, so a slow or dead hook endpoint holds a Celery slot instead of a PHP
-request. The body is byte-for-byte what PHP's ``http_build_query`` would send, so hook
-receivers cannot tell the difference.
+request. The body is byte-for-byte what PHP's ``http_build_query`` would send, and the
+User-Agent the one PHP's ``HTTPSFuture`` sends (``Arcanist/1.0 cURL/<PHP's libcurl>``,
+as ``worker.feedstory`` reports it). What still differs: ``requests`` sends
+``Connection: keep-alive`` and no empty ``Expect:``, and the bridge adds the execution's
+``traceparent`` header.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from urllib.parse import urlsplit
 import requests
 
 from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure
-from bridge.handlers.conduit_proxy import conduit_failure
+from bridge.handlers.conduit_proxy import conduit_failure, trace_headers
 from bridge.phorge.conduit import ConduitClient, ConduitError
 from bridge.phorge.php import PHP_PRECISION, http_build_query
 
@@ -26,7 +29,9 @@ FEED_STORY_METHOD = "worker.feedstory"
 HOOK_TIMEOUT = 30.0  # FeedPublisherHTTPWorker: setTimeout(30)
 MAX_CLIENT_ERROR_ATTEMPTS = 3
 MAX_RETRY_WAIT = 3600
-USER_AGENT = "phorge-bridge (FeedPublisherHTTPWorker)"
+# HTTPSFuture's default (BaseHTTPFuture::getDefaultUserAgent() and cURL's version), for an
+# extension too old to say which libcurl PHP uses.
+FALLBACK_USER_AGENT = "Arcanist/1.0"
 
 
 def redact_uri(uri: str) -> str:
@@ -66,6 +71,7 @@ class FeedPublisherHTTPHandler(Handler):
     """Delivers one feed story to one ``feed.http-hooks`` URI, as Phorge's worker would."""
 
     task_classes = (TASK_CLASS,)
+    phorge_defaults = True
 
     def __init__(
         self,
@@ -127,9 +133,12 @@ class FeedPublisherHTTPHandler(Handler):
             )
         }
         body = http_build_query(fields, precision=self.precision)
-        self.deliver(task, uri, body)
+        user_agent = info.get("userAgent")
+        self.deliver(
+            task, uri, body, user_agent if isinstance(user_agent, str) else FALLBACK_USER_AGENT
+        )
 
-    def deliver(self, task: TaskContext, uri: str, body: str) -> None:
+    def deliver(self, task: TaskContext, uri: str, body: str, user_agent: str) -> None:
         """POST the body once and classify the answer; raises unless it is a 2xx."""
         attempt = task.failure_count + 1
         shown = redact_uri(uri)
@@ -140,7 +149,10 @@ class FeedPublisherHTTPHandler(Handler):
                 data=body.encode("ascii"),
                 headers={
                     "Content-Type": "application/x-www-form-urlencoded",
-                    "User-Agent": USER_AGENT,
+                    "User-Agent": user_agent,
+                    "Accept": "*/*",
+                    "Accept-Encoding": "gzip",
+                    **trace_headers(task),
                 },
                 timeout=(self.timeout, self.timeout),
                 allow_redirects=False,

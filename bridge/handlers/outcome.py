@@ -13,8 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure, Yield
-from bridge.queue.model import NewTask, Outcome
+from bridge.handlers.api import (
+    Handler,
+    PermanentFailure,
+    TaskContext,
+    TemporaryFailure,
+    Yield,
+    measured_duration,
+)
+from bridge.queue.model import DEFAULT_RETRY_WAIT, NewTask, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +31,10 @@ class HandlerResult:
     """One run's outcome and what the queue needs to record it.
 
     ``delay``: for YIELD the seconds asked; for FAILURE the wait the handler declared
-    (the exception's, else ``wait_before_retry``), None meaning the runtime's backoff.
+    (the exception's, else ``wait_before_retry``, else Phorge's 300 s for a handler with
+    ``phorge_defaults``), None meaning the runtime's backoff. Either may be negative, as
+    in Phorge. ``duration_us`` is the run time the archive keeps: measured here, or
+    where the work ran (PHP, for the Conduit proxy).
     """
 
     outcome: Outcome
@@ -34,8 +44,12 @@ class HandlerResult:
     followups: tuple[NewTask, ...] = ()
 
 
-def policy(hook: Callable[[TaskContext], object], ctx: TaskContext) -> int | None:
+def policy(
+    hook: Callable[[TaskContext], object], ctx: TaskContext, *, signed: bool = False
+) -> int | None:
     """A handler's policy answer (seconds, or a count) as an int; None means the default.
+
+    ``signed`` accepts negative answers (waits before retry, which Phorge allows).
 
     A hook that raises or answers nonsense must not stop the run from being reported:
     the failure would go uncounted and the task would loop, lease after lease, forever.
@@ -44,7 +58,7 @@ def policy(hook: Callable[[TaskContext], object], ctx: TaskContext) -> int | Non
         value: Any = hook(ctx)
         if value is None:
             return None
-        if isinstance(value, bool) or int(value) < 0:
+        if isinstance(value, bool) or (int(value) < 0 and not signed):
             raise ValueError(f"{value!r} is not a number of seconds or a count")
         return int(value)
     except Exception as exc:
@@ -71,8 +85,12 @@ def run_handler(handler: Handler, ctx: TaskContext) -> HandlerResult:
         log.warning("%s#%d failed: %r", ctx.task_class, ctx.id, exc)
         delay = exc.delay if isinstance(exc, TemporaryFailure) else None
         if delay is None:
-            delay = policy(handler.wait_before_retry, ctx)
+            delay = policy(handler.wait_before_retry, ctx, signed=True)
+        if delay is None and handler.phorge_defaults:
+            delay = DEFAULT_RETRY_WAIT
         outcome, reason = Outcome.FAILURE, _reason(exc)
-    duration_us = int((time.perf_counter() - started) * 1_000_000)
+    duration_us = measured_duration(ctx)
+    if duration_us is None:
+        duration_us = int((time.perf_counter() - started) * 1_000_000)
     followups = ctx.followups if outcome is Outcome.SUCCESS else ()
     return HandlerResult(outcome, delay, reason, duration_us, followups)

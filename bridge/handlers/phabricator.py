@@ -5,7 +5,7 @@ Data keys: ``duration`` (seconds to sleep), ``doWork`` (``fail-temporary`` or
 ``getMaximumRetryCount`` and ``getWaitBeforeRetry``. The bridge adds two keys of its
 own for demos and tests: ``doWork: "yield"`` yields until the epoch ``yieldUntil`` has
 passed, and ``followups`` (a list of ``{"taskClass", "data", "priority"}``) are
-queued on success.
+queued on success. Without ``getWaitBeforeRetry`` a failure waits Phorge's flat 300 s.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def _option(task: TaskContext, key: str) -> Any:
 
 class PhabricatorTestWorker(Handler):
     task_classes = ("PhabricatorTestWorker",)
+    phorge_defaults = True
 
     def required_lease(self, task: TaskContext) -> int | None:
         return _option(task, "getRequiredLeaseTime")

@@ -9,8 +9,10 @@
  *     bridge owns the lease and records the outcome itself).
  *   - worker.feedstory returns what FeedPublisherHTTPWorker would POST for a
  *     feed story, so the bridge can deliver feed.http-hooks itself.
+ *   - worker.version reports the installed release and this file's sha256,
+ *     so "phorge-bridge doctor" can tell a missing or outdated copy.
  *
- * Both methods are callable only by an authenticated administrator account
+ * All three methods are callable only by an authenticated administrator account
  * (typically a bot made administrator for the bridge, with an API token).
  *
  * Installed by "phorge-bridge phorge install-extension"; the installed copy
@@ -25,6 +27,10 @@ abstract class PhorgeBridgeConduitAPIMethod extends ConduitAPIMethod {
   const ERR_PERMISSION = 'ERR-BRIDGE-PERMISSION';
   const ERR_PARAMETER = 'ERR-BRIDGE-PARAMETER';
   const ERR_READ_ONLY = 'ERR-BRIDGE-READ-ONLY';
+
+  // The phorge-bridge release this file ships with (read by the bridge's
+  // Python too); worker.version reports it with this file's sha256.
+  const VERSION = '0.1.0';
 
   // These four make sure no configuration (policy.allow-public, OAuth
   // clients) can open the methods to anyone but an authenticated caller.
@@ -182,6 +188,7 @@ final class PhorgeBridgeWorkerExecuteConduitAPIMethod
       'priority' => 'required int',
       'objectPHID' => 'optional phid|null',
       'containerPHID' => 'optional phid|null',
+      'traceparent' => 'optional string|null',
     );
   }
 
@@ -533,6 +540,53 @@ final class PhorgeBridgeFeedStoryConduitAPIMethod
       'silent' => $silent,
       'hookURIs' => array_values($hook_uris),
       'story' => $fields,
+      // What HTTPSFuture sends when no User-Agent is set, so the bridge's POST
+      // carries the same one.
+      'userAgent' => self::getHTTPUserAgent(),
+    );
+  }
+
+  private static function getHTTPUserAgent() {
+    $client = 'Arcanist/1.0';
+    if (method_exists('BaseHTTPFuture', 'getDefaultUserAgent')) {
+      $client = BaseHTTPFuture::getDefaultUserAgent();
+    }
+    if (!function_exists('curl_version')) {
+      return $client;
+    }
+    $curl = curl_version();
+    return $client.' cURL/'.idx($curl, 'version');
+  }
+
+}
+
+
+final class PhorgeBridgeVersionConduitAPIMethod
+  extends PhorgeBridgeConduitAPIMethod {
+
+  public function getAPIMethodName() {
+    return 'worker.version';
+  }
+
+  public function getMethodDescription() {
+    return pht(
+      'Report which phorge-bridge extension is installed: its release and '.
+      'the sha256 of this file, which phorge-bridge doctor compares with the '.
+      'copy it ships. Administrators only.');
+  }
+
+  protected function defineParamTypes() {
+    return array();
+  }
+
+  protected function defineReturnType() {
+    return 'dict<string, string>';
+  }
+
+  protected function executeBridgeMethod(ConduitAPIRequest $request) {
+    return array(
+      'version' => self::VERSION,
+      'sha256' => hash_file('sha256', __FILE__),
     );
   }
 

@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -82,7 +82,14 @@ class ConduitTransportError(ConduitError):
 
 
 class ConduitTimeoutError(ConduitTransportError):
-    """Connecting or waiting for the answer took longer than the configured timeout."""
+    """Connecting or waiting for the answer took longer than the configured timeout.
+
+    ``sent``: the request reached Phorge (a read timeout), so PHP may still be running it.
+    """
+
+    def __init__(self, method: str, message: str, *, sent: bool) -> None:
+        super().__init__(method, message)
+        self.sent = sent
 
 
 def _parse_timeout(name: str, value: float | str) -> float:
@@ -137,14 +144,19 @@ class ConduitSettings:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     read_timeout: float = DEFAULT_READ_TIMEOUT
     verify_tls: bool = True
+    # The setting the token came from, for messages that ask an operator to fix it.
+    token_setting: str = "BRIDGE_CONDUIT_TOKEN"
 
 
-def _body_excerpt(body: bytes) -> str:
-    """A short readable piece of a response body, for error messages (HTML reduced to text)."""
+def _body_excerpt(body: bytes, scrub: Callable[[str], str]) -> str:
+    """A short readable piece of a response body, for error messages (HTML reduced to text).
+
+    Scrubbed before it is cut: a token straddling the cut would otherwise leak its start.
+    """
     text = body[: 64 * 1024].decode("utf-8", errors="replace")
     text = re.sub(r"(?is)<(script|style)\b.*?</\1\s*>", " ", text)
     text = re.sub(r"(?s)<[^>]*>", " ", text)
-    text = " ".join(text.split())
+    text = scrub(" ".join(text.split()))
     if len(text) > _EXCERPT_CHARS:
         text = text[: _EXCERPT_CHARS - 3] + "..."
     return text or "(empty body)"
@@ -161,8 +173,10 @@ class ConduitClient:
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         verify_tls: bool = True,
         session: requests.Session | None = None,
+        token_setting: str = "BRIDGE_CONDUIT_TOKEN",
     ) -> None:
         self.base_url = validate_base_url(base_url)
+        self.token_setting = token_setting
         self._token = validate_token(token)
         self.connect_timeout = _parse_timeout("connect_timeout", connect_timeout)
         self.read_timeout = _parse_timeout("read_timeout", read_timeout)
@@ -188,6 +202,7 @@ class ConduitClient:
             read_timeout=settings.read_timeout,
             verify_tls=settings.verify_tls,
             session=session,
+            token_setting=settings.token_setting,
         )
 
     def __repr__(self) -> str:
@@ -208,10 +223,12 @@ class ConduitClient:
         params: Mapping[str, Any] | None = None,
         *,
         read_timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         """Call ``method`` and return its ``result``; raise a :class:`ConduitError` otherwise.
 
-        ``read_timeout`` overrides the client's for this call (a long proxied worker).
+        ``read_timeout`` overrides the client's for this call (a long proxied worker);
+        ``headers`` are added to the request's (a ``traceparent``).
         """
         if not _METHOD_RE.match(method):
             raise ValueError(f"not a Conduit method name: {method!r}")
@@ -238,13 +255,15 @@ class ConduitClient:
                 # A redirect would either drop the POST body or re-send the token to
                 # another location: report it instead.
                 allow_redirects=False,
-                headers={"Accept": "application/json"},
+                headers={**(headers or {}), "Accept": "application/json"},
             )
         except requests.Timeout as exc:
             phase = "connecting to" if isinstance(exc, requests.ConnectTimeout) else "waiting for"
             limit = timeout[0] if isinstance(exc, requests.ConnectTimeout) else timeout[1]
             raise ConduitTimeoutError(
-                method, f"Conduit {method}: timed out {phase} {url} (after {limit:g}s)"
+                method,
+                f"Conduit {method}: timed out {phase} {url} (after {limit:g}s)",
+                sent=not isinstance(exc, requests.ConnectTimeout),
             ) from None
         except requests.RequestException as exc:
             raise ConduitTransportError(
@@ -270,7 +289,7 @@ class ConduitClient:
         if status >= 500:
             raise ConduitTransportError(
                 method,
-                self._scrub(f"Conduit {method}: HTTP {status} from {url}: {_body_excerpt(body)}"),
+                f"Conduit {method}: HTTP {status} from {url}: {_body_excerpt(body, self._scrub)}",
                 http_status=status,
             )
         stripped = body.lstrip()
@@ -285,7 +304,7 @@ class ConduitClient:
                 method,
                 self._scrub(
                     f"Conduit {method}: HTTP {status} from {url} is not a Conduit JSON "
-                    f"response: {_body_excerpt(body)}"
+                    f"response: {_body_excerpt(body, self._scrub)}"
                 ),
                 http_status=status,
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
@@ -18,6 +19,7 @@ from bridge.errors import BridgeError
 
 EXTENSION_FILENAME = "PhorgeBridgeConduitAPIMethods.php"
 EXTENSIONS_DIR = Path("src") / "extensions"
+VERSION_METHOD = "worker.version"
 
 
 class PhorgeRootError(BridgeError, ValueError):
@@ -60,6 +62,19 @@ def shipped_source() -> bytes:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def shipped_sha256() -> str:
+    """What ``worker.version`` answers when the installed copy is the shipped one."""
+    return _sha256(shipped_source())
+
+
+def shipped_version() -> str:
+    """The release in the shipped file's ``const VERSION`` (one source for PHP and Python)."""
+    found = re.search(rb"const VERSION = '([^']+)';", shipped_source())
+    if found is None:
+        raise BridgeError(f"{EXTENSION_FILENAME} declares no VERSION")
+    return found.group(1).decode()
 
 
 def validate_phorge_root(phorge_root: Path) -> Path:
@@ -115,7 +130,7 @@ def check(phorge_root: Path) -> ExtensionStatus:
     """Report whether ``phorge_root`` has the current extension installed."""
     root = validate_phorge_root(phorge_root)
     target = installed_path(root)
-    shipped = _sha256(shipped_source())
+    shipped = shipped_sha256()
     try:
         installed = _sha256(target.read_bytes())
     except FileNotFoundError:

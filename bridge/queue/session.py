@@ -24,6 +24,7 @@ from sqlalchemy.sql import ClauseElement
 from bridge.queue import statements as sql
 from bridge.queue.dialect import is_mysql
 from bridge.queue.model import (
+    MAX_UINT32,
     MAX_UINT64,
     MIN_YIELD_SECONDS,
     RESULT_FAILURE,
@@ -194,13 +195,17 @@ class LeaseSession:
         return inserted == 1
 
     def fail_temporary(self, lease: Lease, wait: int) -> bool:
-        """Count a failure and hold the task back ``wait`` seconds; the owner stays."""
-        check_seconds("retry wait", wait)
+        """Count a failure and hold the task back ``wait`` seconds; the owner stays.
+
+        A negative wait is Phorge's too (its tests use -60): the lease then expired
+        ``-wait`` seconds ago, so the task is due at once, behind older expiries."""
+        check_seconds("retry wait", wait, minimum=-MAX_UINT32)
         return self._write(sql.FAIL_TEMPORARY, {**_fence(lease), "wait": wait})
 
     def yield_(self, lease: Lease, seconds: int) -> bool:
-        """Give the task back for at least 5 seconds without counting a failure."""
-        check_seconds("yield seconds", seconds)
+        """Give the task back for at least 5 seconds without counting a failure
+        (shorter yields, negative ones included, last 5 seconds, as in Phorge)."""
+        check_seconds("yield seconds", seconds, minimum=-MAX_UINT32)
         seconds = max(seconds, MIN_YIELD_SECONDS)
         return self._write(sql.YIELD_LEASE, {**_fence(lease), "seconds": seconds})
 

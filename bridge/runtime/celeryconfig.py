@@ -11,14 +11,20 @@ _settings = current_settings()
 
 broker_url = _settings.broker_url
 broker_connection_retry_on_startup = True
+# After a lost broker connection, running tasks go on: their leases (renewed by the
+# heartbeat) keep a redelivered copy from running twice, and cancelling them would only
+# throw their work away. Survival of broker restarts is pinned in pyproject.toml (Celery
+# below 5.7); a worker that still stops consuming fails `phorge-bridge health`.
+worker_cancel_long_running_tasks_on_connection_loss = False
 # MySQL is the source of truth; results would only duplicate the archive table.
 task_ignore_result = True
 task_serializer = "json"
 accept_content = ["json"]
-# A message is acked after its task ran, and re-queued if the worker died under it: the
-# lease owner in the message, not the broker, decides whether anything runs again.
-task_acks_late = True
-task_reject_on_worker_lost = True
+# A message is acked as its task starts, not after: a worker that dies mid-run leaves
+# the task to its lease, which expires and is leased anew (Phorge's own rule), instead
+# of a redelivery that would run it a second time under the same lease. A message
+# reserved but never started is redelivered, and runs under its untouched lease.
+task_acks_late = False
 worker_prefetch_multiplier = 1
 # Redis re-delivers unacked messages after visibility_timeout: it must outlast any lease,
 # or a long task would be delivered twice (the fence would then drop the second copy).

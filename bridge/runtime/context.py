@@ -10,9 +10,11 @@ import os
 from dataclasses import dataclass, field
 
 from bridge.config import Settings, current_settings
+from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.registry import Registry, build_registry
 from bridge.queue import PhorgeQueue
 from bridge.runtime.lease_keeper import LeaseKeeper
+from bridge.runtime.metrics import watch_breaker
 
 
 @dataclass
@@ -31,7 +33,10 @@ def build_runtime(settings: Settings) -> Runtime:
     if queue.engine.dialect.name == "sqlite":
         # The embedded default starts from nothing; Phorge's MySQL tables are Phorge's.
         queue.create_tables()
-    return Runtime(settings, queue, build_registry(settings))
+    registry = build_registry(settings)
+    if isinstance(registry.fallback, ConduitProxyHandler):
+        watch_breaker(registry.fallback.breaker)
+    return Runtime(settings, queue, registry)
 
 
 _runtimes: dict[int, Runtime] = {}

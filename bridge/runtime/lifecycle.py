@@ -1,25 +1,59 @@
-"""Worker lifecycle hooks: metrics exporter at start, lease hand-back at warm shutdown."""
+"""Worker lifecycle hooks: task tags on log lines, metrics exporter at start, lease
+hand-back at warm shutdown."""
 
 from __future__ import annotations
 
 import logging
 
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    worker_ready,
+    worker_shutting_down,
+)
 from celery.worker import state
 
+from bridge.celery import app
 from bridge.queue import Lease
+from bridge.runtime.consumers import ConsumersCollector, ConsumerWatch, survey
 from bridge.runtime.context import runtime
 from bridge.runtime.metrics import serve
+from bridge.runtime.tracing import tag_log_lines
 
 log = logging.getLogger(__name__)
 
 
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def tag_task_log_lines(logger: logging.Logger, **_kwargs) -> None:
+    """Every line logged while a task runs names it (id, class, owner, traceparent)."""
+    tag_log_lines(logger)
+
+
 @worker_ready.connect
 def start_metrics(**_kwargs) -> None:
-    settings = runtime().settings
+    rt = runtime()
+    settings = rt.settings
     if settings.metrics_port:
-        serve(settings.metrics_port, settings.metrics_address, runtime().queue)
-        log.info("metrics on %s:%d", settings.metrics_address, settings.metrics_port)
+        watch = ConsumerWatch(lambda: survey(app, rt.queue.stats(), rt.registry, settings))
+        ports, address = settings.metrics_port, settings.metrics_address
+        try:
+            port = serve(ports, address, rt.queue, ConsumersCollector(watch))
+        except OSError as exc:
+            port, reason = None, exc.strerror
+        else:
+            reason = "address already in use"
+        if port is None:
+            shown = f"{ports[0]}-{ports[-1]}" if len(ports) > 1 else str(ports[0])
+            log.error(
+                "metrics: not served, no port of BRIDGE_METRICS_PORT=%s is free on %s (%s); "
+                "give each worker on this host a port of its own, e.g. a range",
+                shown,
+                address,
+                reason,
+            )
+        else:
+            log.info("metrics on %s:%d", address, port)
 
 
 def unstarted_leases() -> list[Lease]:

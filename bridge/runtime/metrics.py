@@ -8,15 +8,20 @@ at scrape time, since Flower and broker exporters only see messages.
 
 from __future__ import annotations
 
+import errno
 import os
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     start_http_server,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from bridge.handlers.breaker import CircuitBreaker
 
 DISPATCHED = Counter(
     "phorge_bridge_dispatched_total", "Tasks leased and sent to Celery", ["queue", "task_class"]
@@ -26,10 +31,30 @@ OUTCOMES = Counter(
     "Task runs by outcome (success, failure, permanent-failure, yield, lease-lost, unreported)",
     ["task_class", "outcome"],
 )
-DURATION = Histogram("phorge_bridge_task_duration_seconds", "Handler run time", ["task_class"])
+DURATION = Histogram(
+    "phorge_bridge_task_duration_seconds",
+    "Run time of the work, as archived (PHP's own for proxied tasks)",
+    ["task_class"],
+)
+WALL_TIME = Histogram(
+    "phorge_bridge_run_wall_seconds",
+    "Wall time of a run in the bridge (for proxied tasks: the Conduit round trip)",
+    ["task_class"],
+)
 RENEWALS = Counter(
     "phorge_bridge_lease_renewals_total", "Lease extensions (claims and heartbeats)", ["result"]
 )
+CONDUIT_BREAKER_OPEN = Gauge(
+    "phorge_bridge_conduit_breaker_open",
+    "1 while Conduit's circuit breaker holds PHP-only tasks back (max over processes)",
+    multiprocess_mode="livemax",
+)
+
+
+def watch_breaker(breaker: CircuitBreaker) -> None:
+    """Show ``breaker``'s state in :data:`CONDUIT_BREAKER_OPEN`."""
+    CONDUIT_BREAKER_OPEN.set(int(breaker.is_open))
+    breaker.listeners.append(lambda is_open: CONDUIT_BREAKER_OPEN.set(int(is_open)))
 
 
 class QueueCollector:
@@ -56,8 +81,10 @@ class QueueCollector:
         yield age
 
 
-def serve(port: int, address: str, queue) -> None:
-    """Expose metrics (aggregated over prefork children when multiprocess mode is on)."""
+def serve(ports: range, address: str, queue, *collectors: Collector) -> int | None:
+    """Expose metrics (aggregated over prefork children when multiprocess mode is on),
+    the queue's gauges and ``collectors``' (read in this process at each scrape), on the
+    first free port of ``ports``; returns it, or None when every one is taken."""
     registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
@@ -68,4 +95,14 @@ def serve(port: int, address: str, queue) -> None:
 
         registry = REGISTRY
     registry.register(QueueCollector(queue))
-    start_http_server(port, addr=address, registry=registry)
+    for collector in collectors:
+        registry.register(collector)
+    for port in ports:
+        try:
+            start_http_server(port, addr=address, registry=registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            continue
+        return port
+    return None

@@ -11,22 +11,38 @@ throughput is not capped at ``max_inflight / poll_interval``.
 from __future__ import annotations
 
 import logging
+import os
 from collections import defaultdict
 
 from bridge.celery import app
+from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.queue import Task
 from bridge.queue.model import new_owner
 from bridge.queue.retry import DatabaseUnavailable, is_transient
+from bridge.runtime.consumers import ConsumerWatch, survey
 from bridge.runtime.context import Runtime, runtime
 from bridge.runtime.metrics import DISPATCHED
+from bridge.runtime.tracing import TRACEPARENT_HEADER, TaskTrace, new_traceparent, traced
 
 log = logging.getLogger(__name__)
 
 
 def plan(rt: Runtime) -> dict[str, list[str]]:
-    """Runnable task classes present in the queue, grouped by the Celery queue serving them."""
+    """Runnable task classes present in the queue, grouped by the Celery queue serving them.
+
+    Proxied classes are left out while Conduit's circuit breaker is open. This process may
+    never run a proxied task itself, so the breaker is verified here (a probe at most
+    every few seconds), not merely read.
+    """
     by_queue: dict[str, list[str]] = defaultdict(list)
+    conduit_up: bool | None = None
     for task_class in rt.registry.runnable(rt.queue.task_classes()):
+        handler = rt.registry.handler_for(task_class)
+        if isinstance(handler, ConduitProxyHandler):
+            if conduit_up is None:
+                conduit_up = handler.breaker.verify()
+            if not conduit_up:
+                continue
         by_queue[rt.settings.router.queue_for(task_class)].append(task_class)
     return by_queue
 
@@ -38,26 +54,35 @@ def dispatch(rt: Runtime, tasks: list[Task], queue: str, limit: int) -> int:
     inline_max = rt.settings.inline_data_max
     # The middle of a dispatch that took at least half the capacity asks for the next poll.
     marked = len(tasks) // 2 if len(tasks) >= max(1, limit // 2) else None
+    target = app.amqp.queues[queue]
     with app.producer_or_acquire() as producer:
+        # Declared once per dispatch: kombu's per-message check binds a copy of the queue
+        # for every message, a fifth of the cost of a publish.
+        producer.maybe_declare(target)
         for index, task in enumerate(tasks):
             kwargs: dict[str, object] = {"taskClass": task.taskClass}
             if task.rawData is not None and len(task.rawData) <= inline_max:
                 kwargs["data"] = task.rawData
             if index == marked:
                 kwargs["repoll"] = True
+            trace = TaskTrace(task.id, task.taskClass, task.leaseOwner, new_traceparent())
             try:
                 execute.apply_async(
                     args=(task.id, task.leaseOwner, task.failureCount),
                     kwargs=kwargs,
-                    queue=queue,
+                    queue=target,
                     producer=producer,
+                    declare=[],
                     argsrepr=repr((task.label,)),
                     kwargsrepr="{}",
+                    headers={TRACEPARENT_HEADER: trace.traceparent},
                 )
             except Exception as exc:
                 log.error("dispatch to %s failed after %d of %d: %s", queue, index, len(tasks), exc)
                 return index
             DISPATCHED.labels(queue=queue, task_class=task.taskClass).inc()
+            with traced(trace):
+                log.info("%s: dispatched to %s", task.label, queue)
     return len(tasks)
 
 
@@ -88,11 +113,33 @@ def poll_once(rt: Runtime) -> int:
         return sent
 
 
+_watches: dict[int, ConsumerWatch] = {}
+
+
+def watch_consumers(rt: Runtime) -> None:
+    """Log queues left with due rows and no consumer, once per change (per process).
+
+    The control API is asked at most every ``ConsumerWatch.every`` seconds (it costs up
+    to ``INSPECT_TIMEOUT``); a failure to ask never fails the poll.
+    """
+    pid = os.getpid()
+    if pid not in _watches:
+        _watches.clear()
+        _watches[pid] = ConsumerWatch(
+            lambda: survey(app, rt.queue.stats(), rt.registry, rt.settings), log_changes=True
+        )
+    try:
+        _watches[pid].current()
+    except Exception as exc:
+        log.warning("could not check the queues' consumers: %s", exc)
+
+
 @app.task(name="bridge.poll", acks_late=False, ignore_result=True)
 def poll() -> int:
     """Beat's periodic poll of Phorge's queue (and the one a marked task asks for)."""
     try:
         sent = poll_once(runtime())
+        watch_consumers(runtime())
     except Exception as exc:
         if not (isinstance(exc, DatabaseUnavailable) or is_transient(exc)):
             raise

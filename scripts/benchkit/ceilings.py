@@ -84,25 +84,37 @@ def plain_celery(broker: Broker, scratch: Path, count: int, concurrency: int) ->
         log=directory / "worker.log",
     )
     consumer.roles["workers"] = [worker]
+    app = _sender_app(broker, queue)
     try:
         wait_ready_files(consumer, directory / "ready", 1)
-        app = _sender_app(broker, queue)
         _send_and_wait(app, consumer, range(0, 4 * concurrency))  # warm-up
-        cpu_before, machine_before = consumer.cpu(), procs.MachineCPU.sample()
-        broker_pid = rabbit.rabbitmq_pid()
-        broker_before = procs.process_cpu(broker_pid) if broker_pid else 0.0
-        bench_before, started = time.process_time(), time.time()
-        end = _send_and_wait(app, consumer, range(1_000_000, 1_000_000 + count))
-        cpu = consumer.cpu()["workers"] - cpu_before["workers"]
-        machine = procs.MachineCPU.sample()
-        broker = (procs.process_cpu(broker_pid) if broker_pid else 0.0) - broker_before
-        known = cpu + broker + time.process_time() - bench_before
-        busy = machine.busy_share_since(machine_before)
-        others = max(0.0, busy - known / machine.capacity_since(machine_before))
-        app.close()
-        return CeilingResult(count, end - started, cpu, busy, others, CELERY_SETTINGS)
+        return _measure(app, consumer, count)
     finally:
         consumer.stop()
+        _delete_queue(app, queue)
+        app.close()
+
+
+def _measure(app: Celery, consumer: Consumer, count: int) -> CeilingResult:
+    cpu_before, machine_before = consumer.cpu(), procs.MachineCPU.sample()
+    broker_pid = rabbit.rabbitmq_pid()
+    broker_before = procs.process_cpu(broker_pid) if broker_pid else 0.0
+    bench_before, started = time.process_time(), time.time()
+    end = _send_and_wait(app, consumer, range(1_000_000, 1_000_000 + count))
+    cpu = consumer.cpu()["workers"] - cpu_before["workers"]
+    machine = procs.MachineCPU.sample()
+    broker = (procs.process_cpu(broker_pid) if broker_pid else 0.0) - broker_before
+    known = cpu + broker + time.process_time() - bench_before
+    busy = machine.busy_share_since(machine_before)
+    others = max(0.0, busy - known / machine.capacity_since(machine_before))
+    return CeilingResult(count, end - started, cpu, busy, others, CELERY_SETTINGS)
+
+
+def _delete_queue(app: Celery, queue: str) -> None:
+    """Leave the broker as found (matters only on the shared default vhost)."""
+    with app.connection_for_write() as conn:
+        conn.default_channel.queue_delete(queue)
+        conn.default_channel.exchange_delete(queue)
 
 
 def _sender_app(broker: Broker, queue: str) -> Celery:

@@ -22,7 +22,7 @@ from typing import Any
 
 import MySQLdb
 
-from benchkit import ceilings, machine, mariadb, phorge, phorgedb, plan, rabbit
+from benchkit import ceilings, machine, mariadb, phorge, phorgedb, plan, procs, rabbit
 from benchkit.consumers import REPO, Bridge, Consumer, Phd, ReferenceTaskmaster
 from benchkit.plan import Scenario, Sizes
 from benchkit.procs import BenchError
@@ -74,8 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--stall-timeout",
         type=float,
-        default=60,
-        help="fail a run when nothing is archived for this long (s)",
+        default=30,
+        help="fail a run when nothing is archived for this long (default 30 s)",
     )
     parser.add_argument(
         "--phorge-root",
@@ -164,7 +164,7 @@ class Bench:
                 result.light = self.runner.light(consumer, s.workload, s.light)
             result.throughput = self.runner.throughput(consumer, s.workload, s.tasks)
         except BenchError as exc:
-            raise BenchError(f"{exc}{consumer.log_tails()}") from None
+            raise BenchError(f"{exc}{consumer.diagnose()}{consumer.log_tails()}") from None
         finally:
             consumer.stop()
 
@@ -195,16 +195,30 @@ def main(tuned: dict[str, str], argv: list[str] | None = None) -> int:
         signal.signal(signum, raise_interrupt)
     log = Log()
     context = Context(facts={}, tuned=dict(tuned))
-    with ExitStack() as stack:
-        bench = set_up(stack, args, tuned, log, context, phorge_root, scenarios)
-        results = [bench.run(s) for s in scenarios]
-        context.duration = time.monotonic() - log.started
-        log("stopping the servers")
+    try:
+        with ExitStack() as stack:
+            bench = set_up(stack, args, tuned, log, context, phorge_root, scenarios)
+            results = [bench.run(s) for s in scenarios]
+            context.duration = time.monotonic() - log.started
+            log("stopping the servers")
+    except KeyboardInterrupt:
+        log("interrupted: everything the bench started has been stopped and removed")
+        return 130
     text = Report(results, context).render()
     Path(args.out).write_text(text)
     print(text)
     log(f"report written to {args.out}")
     return 1 if any(summary(r).startswith("FAILED") for r in results) else 0
+
+
+def quiet_check(log: Log, seconds: float = 3.0) -> str:
+    """How busy the machine was just before the bench: other load skews every figure."""
+    before = procs.MachineCPU.sample()
+    time.sleep(seconds)
+    busy = procs.MachineCPU.sample().busy_share_since(before)
+    if busy > 0.15:
+        log(f"WARNING: the machine is {busy:.0%} busy before the bench starts")
+    return f"machine CPU busy in the {seconds:.0f} s before the bench started: {busy:.0%}."
 
 
 def set_up(
@@ -218,6 +232,7 @@ def set_up(
 ) -> Bench:
     """Start the servers (each entered into ``stack``), create the tables."""
     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bridge-bench-")))
+    context.notes.append(quiet_check(log))
     broker = stack.enter_context(rabbit.broker(REPO, log))
     if broker.vhost:
         context.notes.append(f"RabbitMQ: a private vhost per bench run ({broker.vhost}).")

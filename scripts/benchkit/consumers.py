@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchkit import bridge_api, hook, procs
+from benchkit import bridge_api, hook, procs, rabbit
 from benchkit.mariadb import PASSWORD, USER, Server
 from benchkit.phorgedb import DATABASE
 from benchkit.rabbit import Broker
@@ -57,6 +57,10 @@ class Consumer:
                 raise procs.BenchError(
                     f"{self.label}: {proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}"
                 )
+
+    def diagnose(self) -> str:
+        """Extra state worth showing when a run fails (the Bridge: its broker queues)."""
+        return ""
 
     def log_tails(self, chars: int = 1500) -> str:
         """The end of every process's output, for a failure report."""
@@ -167,6 +171,12 @@ class Bridge(Consumer):
         )
         self.roles["workers"] = [worker]
         wait_ready_files(self, directory / "ready", 1)
+
+    def diagnose(self) -> str:
+        if self.broker is None or self.broker.vhost is None:
+            return ""
+        depths = rabbit.queue_depths(self.broker.vhost)
+        return f"\n--- broker queues (name, ready, unacked, consumers):\n{depths}"
 
 
 @dataclass

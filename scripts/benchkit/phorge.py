@@ -124,6 +124,9 @@ def install(
     ).stdout.strip()
     notes = [
         f"phd: Phorge {revision or '(no git)'} from {checkout}, run from a copy configured for "
-        "the bench's MariaDB; `bin/phd debug taskmaster` (debug mode prints a line per task).",
+        "the bench's MariaDB, as `bin/phd debug taskmaster` (one per process). Debug mode "
+        "runs the daemon with --verbose, and its overseer writes those log lines to "
+        "`phabricator_daemon.daemon_logevent`: server-side statements and commits that "
+        "`phd start` would not make (phd's Questions minus the taskmaster's 7 per task).",
     ]
     yield Install(root, env, notes)

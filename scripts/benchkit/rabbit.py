@@ -102,6 +102,22 @@ def broker(repo: Path, log: Callable[[str], None]) -> Iterator[Broker]:
             _services(repo, "stop")
 
 
+def queue_depths(vhost: str) -> str:
+    """``rabbitmqctl list_queues`` of the bench's vhost: where messages wait (diagnostics)."""
+    columns = ["name", "messages_ready", "messages_unacknowledged", "consumers"]
+    try:
+        done = subprocess.run(
+            ["rabbitmqctl", "list_queues", "-q", "-p", vhost, *columns],
+            env=rabbitmq_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(rabbitmqctl list_queues failed: {exc})"
+    return done.stdout.strip()
+
+
 def rabbitmq_pid() -> int | None:
     """The broker's process, if services.sh started it (for its CPU time)."""
     try:

@@ -83,12 +83,25 @@ class Record:
 
 
 class RecordWriter:
-    """Appends records to ``<dir>/<pid>.rec``, reopening after a fork."""
+    """Appends records to ``<dir>/<pid>.rec``, reopening after a fork; thread-safe."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
         self._pid = -1
         self._fd = -1
+        self._lock = threading.Lock()
+
+    def _file(self) -> int:
+        """This process's file, opened once even when threads race for it."""
+        pid = os.getpid()
+        if self._pid != pid:
+            with self._lock:
+                if self._pid != pid:
+                    path = self.directory / f"{pid}.rec"
+                    # The descriptor first: a thread that sees the pid must see it too.
+                    self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                    self._pid = pid
+        return self._fd
 
     def write(
         self,
@@ -99,14 +112,10 @@ class RecordWriter:
         cpu: float,
         counters: Counters,
     ) -> None:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            path = self.directory / f"{self._pid}.rec"
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         values = " ".join(map(str, counters.as_tuple()))
         tid = "-" if task_id is None else str(task_id)
         line = f"{name} {tid} {start:.6f} {end:.6f} {cpu:.6f} {values}\n"
-        os.write(self._fd, line.encode())
+        os.write(self._file(), line.encode())
 
 
 def read_records(directory: Path) -> list[Record]:

@@ -5,32 +5,37 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from textwrap import indent
 
 from benchkit.ceilings import CeilingResult
 from benchkit.plan import Scenario
 from benchkit.runner import IO50, NOOP, SLEEP10, Latency, Percentiles, Throughput, Workload
 
 HOW_TO_READ = """\
-**How to read this.** Every consumer drains the same Phorge queue on the same private,
-durable MariaDB (one fsync per commit) and, for Celery, the same RabbitMQ. All tasks of
-a run are enqueued in ONE transaction; the clock starts when its COMMIT returns and stops
-when the last task is archived (exactly: the consumer's own record of that archive; for
-phd, when the bench saw it, polling every 10 ms). *tasks/s* is tasks / that time. The
-*reference taskmaster* is Phorge's PHP taskmaster loop re-implemented statement for
-statement in Python (`scripts/benchkit/taskmaster.py`): 1 process is what one PHP daemon
-does; ratios are to it (same workload, 1 process), to `phd` when run, and to the lower
-of the two ceilings (plain Celery with no database; the bridge's SQL without Celery),
-which the bridge cannot beat. *Latency* runs from the enqueue COMMIT to the task's start
-and to its archive: at light load (one task at a time, so mostly the poll interval) and
-at saturation (the throughput run, where it is mostly queueing). *Cost* is per archived
-task over the throughput run: requests the consumer's client sent (SQLAlchemy events;
-round trips = statements + explicit BEGINs + commits + rollbacks + pings), the server's
-own counters (`Questions` counts every statement including COMMIT/ROLLBACK, less the
-bench's own polling), and CPU milliseconds from /proc: the worker processes (the
-bridge's poll runs inside them; its share is shown apart), beat, MariaDB and RabbitMQ.
-*Machine busy* is the share of both cores in use during the run: near 100% means the
-machine, not the consumer, was the limit. A failed scenario is listed at the end with
-the reason; it does not stop the others."""
+**How to read this.** Every consumer drains the same Phorge queue (`PhabricatorTestWorker`
+tasks) on the same private, *durable* MariaDB (an fsync per commit) and, for Celery, the
+same RabbitMQ. A run enqueues all its tasks in ONE transaction; the clock starts when
+that COMMIT returns and stops when the last task is archived (from the consumer's own
+record of it; for phd, when the bench saw it, polling every 10 ms). *tasks/s* is what
+draining that backlog took, the poll interval or idle sleep before the first start
+included; *steady tasks/s* leaves that wait out. The *reference taskmaster* is Phorge's
+PHP taskmaster loop redone statement for statement in Python
+(`scripts/benchkit/taskmaster.py`; its SQL matches `phd`'s line for line): 1 process is
+what one PHP daemon does. Ratios compare with it (same workload, 1 process), with `phd`
+when run, and with the lower of two ceilings the bridge cannot pass (plain Celery with
+no database; the bridge's own SQL in a loop without Celery). *Latency* runs from the
+enqueue COMMIT to the task's start and to its archive, at light load (one task at a
+time, enqueued at a random moment of the consumer's cycle: mostly the poll interval or
+idle sleep) and at saturation (the throughput run: mostly queueing). *Cost* is per
+archived task over the throughput run: what the consumer's processes sent (counted in
+the MySQL driver: statements, commits, round trips; a round trip may carry several
+statements), MariaDB's own counters (everything but the bench's polling), and CPU ms:
+the worker processes (the bridge's poll runs inside them; its share is shown apart),
+beat, MariaDB, and the whole RabbitMQ node (shared: non-zero for the taskmaster means
+someone else used it). *machine busy* is the share of all cores in use during the run,
+and in parentheses the share no measured process explains (other load on the machine:
+if it is large, the figures are disturbed). Failed scenarios are listed at the end with
+the reason; they do not stop the others."""
 
 
 THROUGHPUT_NOTE = (
@@ -204,7 +209,7 @@ class Report:
                     label(r.scenario),
                     str(r.scenario.tasks),
                     number(t.seconds, 2) if t else "failed",
-                    number(t.first_start, 2) if t else "",
+                    number(t.first_start, 2) if t else "-",
                     f"**{number(r.rate)}**",
                     number(t.steady_rate) if ok and t else "n/a",
                     *(both_ratios(r, base) for base in bases),
@@ -258,8 +263,8 @@ class Report:
             rows.append(
                 [
                     label(r.scenario),
-                    pcts(light.to_start) if light else "",
-                    pcts(light.to_archive) if light else "",
+                    pcts(light.to_start) if light else "-",
+                    pcts(light.to_archive) if light else "-",
                     pcts(t.latency.to_start) if t else "n/a",
                     pcts(t.latency.to_archive) if t else "n/a",
                 ]
@@ -287,16 +292,20 @@ class Report:
         return note + "\n\n" + table(headers, rows)
 
     def failures(self) -> str:
-        rows = []
+        items = []
         for r in self.results:
             problems = list(r.throughput.problems) if r.throughput else []
             if r.error:
                 problems.append(r.error)
             for problem in problems:
-                rows.append(f"- `{r.scenario.name}`: {problem}")
-        if not rows:
+                first, _, rest = problem.partition("\n")
+                item = f"- `{r.scenario.name}`: {first}"
+                if rest.strip():
+                    item += "\n\n  ```\n" + indent(rest.strip(), "  ") + "\n  ```"
+                items.append(item)
+        if not items:
             return "## Failures\n\nNone: every task of every run was archived once, result 0."
-        return "## Failures\n\n" + "\n".join(rows)
+        return "## Failures\n\n" + "\n".join(items)
 
 
 def cost_row(r: Result) -> list[str]:
@@ -319,8 +328,8 @@ def cost_row(r: Result) -> list[str]:
         per(t.server["Com_rollback"]),
         per(t.server["Handler_commit"]),
         ms(t.cpu.get("workers", 0.0) / n),
-        ms(t.poller_cpu / n) if t.poller_cpu is not None else "",
-        ms(t.cpu["beat"] / n) if "beat" in t.cpu else "",
+        ms(t.poller_cpu / n) if t.poller_cpu is not None else "-",
+        ms(t.cpu["beat"] / n) if "beat" in t.cpu else "-",
         ms(t.db_cpu / n),
         ms(t.broker_cpu / n) if t.broker_cpu is not None else "n/a",
     ]

@@ -75,9 +75,8 @@ class Latency:
     """Seconds from enqueue (commit) to start and to archive, over ``samples`` tasks."""
 
     samples: int
-    to_start: Percentiles | None
+    to_start: Percentiles | None  # None: the consumer records no start (phd)
     to_archive: Percentiles | None
-    source: str  # how the end was observed
 
 
 @dataclass
@@ -149,13 +148,14 @@ class Runner:
 
     def batch_records(self, consumer: Consumer, batch: Batch) -> list[Record]:
         """The consumer's records, once every task of the batch has one."""
-        assert consumer.records is not None
+        directory = consumer.records
+        assert directory is not None
         ids = set(batch.ids())
         found: list[Record] = []
 
         def complete() -> bool:
             nonlocal found
-            found = read_records(consumer.records)  # type: ignore[arg-type]
+            found = read_records(directory)
             seen = {r.task_id for r in found if r.name == consumer.execute_name}
             return ids <= seen
 
@@ -194,8 +194,7 @@ class Runner:
             record = self._execution(self.batch_records(consumer, batch), consumer, batch.first)
             to_start.append(record.start - batch.committed)
             to_archive.append(record.end - batch.committed)
-        source = "records" if consumer.records is not None else f"polled every {POLL_LIGHT}s"
-        return Latency(samples, Percentiles.of(to_start), Percentiles.of(to_archive), source)
+        return Latency(samples, Percentiles.of(to_start), Percentiles.of(to_archive))
 
     @staticmethod
     def _execution(records: list[Record], consumer: Consumer, task_id: int) -> Record:
@@ -236,7 +235,6 @@ class Runner:
             count,
             Percentiles.of([r.start - batch.committed for r in by_id.values()]),
             Percentiles.of([r.end - batch.committed for r in by_id.values()]),
-            "records" if records else f"end polled every {interval}s",
         )
         until = end  # polls after the last archive are not the batch's cost
         poller = None

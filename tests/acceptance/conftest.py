@@ -250,11 +250,11 @@ class Bridge:
             ],
         )
 
-    def beat(self, name: str = "beat") -> CeleryProcess:
-        """Start ``celery beat`` with a schedule file of its own."""
-        return self._start(
-            name, ["beat", "-l", "INFO", "-s", str(self.directory / f"{name}-schedule")]
-        )
+    def beat(self, name: str = "beat", *, schedule_file: bool = True) -> CeleryProcess:
+        """Start ``celery beat``, with a schedule file of its own unless ``schedule_file``
+        is False (then as the README runs it, in the bridge's directory)."""
+        schedule = ["-s", str(self.directory / f"{name}-schedule")] if schedule_file else []
+        return self._start(name, ["beat", "-l", "INFO", *schedule])
 
     def wait_ready(self, *workers: CeleryProcess) -> None:
         """Wait until each worker logged that it is ready to consume."""

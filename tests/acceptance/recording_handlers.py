@@ -55,6 +55,7 @@ def record(event: str, task: TaskContext) -> None:
 
 class RecordingTestWorker(PhabricatorTestWorker):
     task_classes = ("RecordedA", "RecordedB", "RecordedC")
+    phorge_defaults = False  # classes Phorge does not have: the bridge's backoff
 
     def run(self, task: TaskContext) -> None:
         record("start", task)

@@ -6,6 +6,7 @@ broker, and only those of this test's worker are kept.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 
@@ -82,3 +83,81 @@ def test_task_events_show_bridge_execute_with_the_phorge_task_as_argument(event_
     assert sorted(e["args"] for e in sent) == sorted(e["args"] for e in received)
     succeeded = one_per_task("task-succeeded", lambda e: e["uuid"] in uuids)
     assert sorted(e["result"] for e in succeeded) == [f"'{TASK_CLASS}#{i}: success'" for i in ids]
+
+
+def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log):
+    """Flower's states: SUCCESS, FAILURE with the reason, RETRY for a yield; nothing is
+    sent again by Celery (the rows decide), and expected failures log one line each."""
+    bridge, log = event_log
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
+    bridge.wait_ready(worker)
+    node = bridge.node(worker.name)
+    bridge.wait_until(lambda: log.of(node), 10, "the worker's first event")
+
+    [ok] = bridge.enqueue(TASK_CLASS, {})
+    [flaky] = bridge.enqueue(TASK_CLASS, {"doWork": "fail-temporary", "getWaitBeforeRetry": 3600})
+    [broken] = bridge.enqueue(TASK_CLASS, {"doWork": "fail-permanent"})
+    [later] = bridge.enqueue(TASK_CLASS, {"doWork": "yield", "yieldUntil": 4_000_000_000})
+    ids = [ok, flaky, broken, later]
+    bridge.beat()
+
+    def ended() -> dict[int, dict] | None:
+        by_uuid = {
+            e["uuid"]: int(e["args"].split("#")[1].split("'")[0])
+            for e in list(log.events)
+            if e["type"] == "task-received" and e.get("name") == "bridge.execute"
+        }
+        final = ("task-succeeded", "task-failed", "task-retried")
+        done = {
+            by_uuid[e["uuid"]]: e
+            for e in list(log.events)
+            if e["type"] in final and e["uuid"] in by_uuid
+        }
+        return done if set(ids) <= set(done) else None
+
+    done = bridge.wait_until(ended, 30, "an end event for each task")
+    assert {i: done[i]["type"] for i in ids} == {
+        ok: "task-succeeded",
+        flaky: "task-failed",
+        broken: "task-failed",
+        later: "task-retried",
+    }
+    assert done[ok]["result"] == f"'{TASK_CLASS}#{ok}: success'"
+    assert done[flaky]["exception"] == (
+        f"TaskFailed('{TASK_CLASS}#{flaky}: failure: Temporary failure! (due again in 3600 s)')"
+    )
+    assert done[broken]["exception"] == (
+        f"TaskFailedPermanently('{TASK_CLASS}#{broken}: permanent-failure: Permanent failure!')"
+    )
+    assert done[later]["exception"].startswith(f"TaskYielded('{TASK_CLASS}#{later}: yield")
+    assert [r.result for r in bridge.wait_archived([ok, broken]).values()] == [0, 1]
+    rows = bridge.active_rows([flaky, later])
+    assert (rows[flaky].failureCount, rows[later].leaseOwner) == (1, "(yield)")
+    # One run each: Celery retried nothing, and no message waits in the broker.
+    received = [e for e in list(log.events) if e["type"] == "task-received"]
+    assert len([e for e in received if e.get("name") == "bridge.execute"]) == len(ids)
+    worker_log = worker.log()
+    assert "Traceback" not in worker_log
+    assert f"raised expected: TaskFailedPermanently('{TASK_CLASS}#{broken}" in worker_log
+
+
+def test_one_grep_follows_a_task_from_the_poll_to_its_outcome(make_bridge, database_url, amqp_url):
+    bridge = make_bridge(database_url, amqp_url)
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
+    [task_id] = bridge.enqueue(TASK_CLASS, {"doWork": "fail-permanent"})
+    bridge.beat()
+    bridge.wait_ready(worker)
+    bridge.wait_archived([task_id])
+    tag = f"[task={task_id} class={TASK_CLASS} owner="
+    dispatched = bridge.wait_until(
+        lambda: [ln for ln in worker.log().splitlines() if tag in ln and "dispatched" in ln],
+        10,
+        "the dispatch line",
+    )
+    traceparent = dispatched[0].split("traceparent=")[1].rstrip("]")
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", traceparent)
+    lines = [line for line in worker.log().splitlines() if traceparent in line]
+    assert any("dispatched to" in line for line in lines)
+    assert any(f"task {task_id} failed permanently: Permanent failure!" in line for line in lines)
+    assert any(f"{TASK_CLASS}#{task_id}: permanent-failure" in line for line in lines)
+    assert all(tag in line for line in lines)

@@ -62,3 +62,52 @@ def test_metrics_sum_outcomes_over_children_and_read_the_queue(
         value for (name, _), value in found.items() if name == "phorge_bridge_dispatched_total"
     )
     assert dispatched == 7
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free now."""
+    while True:
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+def test_workers_on_one_host_take_ports_of_a_range_and_a_clash_is_one_line(
+    make_bridge, database_url, amqp_url
+):
+    port = free_port_pair()
+    bridge = make_bridge(database_url, amqp_url, METRICS_PORT=f"{port}-{port + 1}")
+    workers = [bridge.worker(f"worker-{n}", [bridge.default_queue]) for n in (1, 2)]
+    bridge.wait_ready(*workers)
+
+    def serving(p: int) -> bool:
+        try:
+            return "phorge_bridge_queue_tasks" in requests.get(
+                f"http://127.0.0.1:{p}/metrics", timeout=5
+            ).text
+        except requests.ConnectionError:
+            return False
+
+    bridge.wait_until(lambda: serving(port) and serving(port + 1), 20, "both exporters")
+    logs = [w.log() for w in workers]
+    assert sorted(f"metrics on 127.0.0.1:{p}" in log for log in logs for p in (port, port + 1)) == [
+        False,
+        False,
+        True,
+        True,
+    ]
+
+    bridge.settings["BRIDGE_METRICS_PORT"] = str(port)
+    third = bridge.worker("worker-3", [bridge.default_queue])
+    bridge.wait_ready(third)
+    line = bridge.wait_until(
+        lambda: [ln for ln in third.log().splitlines() if "metrics: not served" in ln],
+        20,
+        "the clash's log line",
+    )
+    assert f"no port of BRIDGE_METRICS_PORT={port} is free on 127.0.0.1" in line[0]
+    assert "Traceback" not in third.log()

@@ -42,6 +42,7 @@ class Reply:
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
+    cut_after: int | None = None  # close the connection after this many bytes of the body
 
 
 def conduit_result(result: Any) -> Reply:
@@ -57,7 +58,9 @@ def conduit_error(code: str, info: str) -> Reply:
 class FakeServer:
     """An HTTP server on a random local port, answering with ``responder(request)``."""
 
-    def __init__(self, responder: Callable[[Request], Reply] | None = None, port: int = 0) -> None:
+    def __init__(
+        self, responder: Callable[[Request], Reply | None] | None = None, port: int = 0
+    ) -> None:
         self.requests: list[Request] = []
         self.responder = responder or (lambda request: conduit_result(None))
         server = self
@@ -78,6 +81,9 @@ class FakeServer:
                 )
                 server.requests.append(request)
                 reply = server.responder(request)
+                if reply is None:  # hang up unanswered, as a server going down does
+                    self.close_connection = True
+                    return
                 if reply.delay:
                     time.sleep(reply.delay)
                 try:
@@ -86,7 +92,9 @@ class FakeServer:
                         self.send_header(name, value)
                     self.send_header("Content-Length", str(len(reply.body)))
                     self.end_headers()
-                    self.wfile.write(reply.body)
+                    self.wfile.write(reply.body[: reply.cut_after])
+                    if reply.cut_after is not None:
+                        self.close_connection = True  # mid-response, as a dying server does
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (a timeout test)
 

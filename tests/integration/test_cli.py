@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from bridge.cli.main import main
 from bridge.queue import PhorgeQueue
-from bridge.queue.model import RESULT_CANCELLED, new_owner
+from bridge.queue.model import RESULT_CANCELLED, TaskFilter, new_owner
 
 
 @pytest.fixture
@@ -113,29 +113,69 @@ def test_settings_hides_secrets(cli, monkeypatch, tmp_path):
     assert "bridge:" not in out.split("BRIDGE_DATABASE_URL=")[1].split("\n")[0]
 
 
-def test_doctor_lists_served_classes_and_warns_about_running_taskmasters(cli, mysql_engine):
+# -- execute (bin/worker execute) -----------------------------------------------------------
+
+
+def outcome_lines(out: str) -> list[str]:
+    """``execute``'s lines without the trace context each one ends with."""
+    return [line.split(" [traceparent=00-")[0] for line in out.splitlines()]
+
+
+def test_execute_runs_tasks_now_in_the_order_given_and_writes_their_outcomes(cli):
+    invoke, queue = cli
+    ok = queue.enqueue("PhabricatorTestWorker", {})
+    flaky = queue.enqueue("PhabricatorTestWorker", {"doWork": "fail-temporary"})
+    broken = queue.enqueue("PhabricatorTestWorker", {"doWork": "fail-permanent"})
+    out = invoke("execute", "--id", str(flaky), "--id", str(ok), "--id", str(broken), code=1)
+    assert outcome_lines(out) == [
+        f"PhabricatorTestWorker#{flaky}: failure: Temporary failure! (due again in 300 s)",
+        f"PhabricatorTestWorker#{ok}: success",
+        f"PhabricatorTestWorker#{broken}: permanent-failure: Permanent failure!",
+    ]
+    states = {t.id: (t.state.value, t.result, t.failureCount) for t in queue.list()}
+    assert states == {
+        ok: ("archived", 0, 0),
+        flaky: ("waiting-to-retry", None, 1),
+        broken: ("archived", 1, 0),
+    }
+    # Waiting to retry does not stop an operator: it runs again at once.
+    assert "failure: Temporary failure!" in invoke("execute", "--id", str(flaky), code=1)
+    assert queue.get(flaky).failureCount == 2
+
+
+def test_execute_refuses_archived_tasks_unless_retried_and_successes_unless_repeated(cli):
+    invoke, queue = cli
+    task_id = queue.enqueue("PhabricatorTestWorker", {})
+    invoke("execute", "--id", str(task_id))
+    assert "ARCHIVED: already archived" in invoke("execute", "--id", str(task_id))
+    assert "SUCCEEDED: already succeeded" in invoke("execute", "--id", str(task_id), "--retry")
+    out = invoke("execute", "--id", str(task_id), "--retry", "--repeat")
+    assert out.startswith(f"PhabricatorTestWorker#{task_id}: success")
+    assert len(queue.list(TaskFilter(ids=[task_id]))) == 1
+
+
+def test_execute_runs_delayed_and_yielded_tasks_but_not_one_a_worker_holds(cli):
+    invoke, queue = cli
+    delayed = queue.enqueue("PhabricatorTestWorker", {}, delay_until=queue.server_time() + 3600)
+    yielded = queue.enqueue("PhabricatorTestWorker", {})
+    held = queue.enqueue("PhabricatorTestWorker", {})
+    owner = new_owner()
+    queue.lease(1, owner, ids=[yielded])
+    assert queue.yield_(yielded, owner, 3600)
+    worker = new_owner()
+    queue.lease(1, worker, ids=[held])
+    out = invoke("execute", "--class", "PhabricatorTestWorker", code=1)
+    assert outcome_lines(out)[:2] == [
+        f"PhabricatorTestWorker#{delayed}: success",
+        f"PhabricatorTestWorker#{yielded}: success",
+    ]
+    assert f"PhabricatorTestWorker#{held}: LEASED: a worker holds its lease ({worker})" in out
+    assert queue.get(held).leaseOwner == worker
+
+
+def test_execute_names_an_id_that_matches_nothing(cli):
     invoke, queue = cli
     queue.enqueue("PhabricatorTestWorker", {})
-    queue.enqueue("PhabricatorSearchWorker", {})
-    out = invoke("doctor")
-    assert "served by the bridge: PhabricatorTestWorker" in out
-    assert "left to PHP (no handler, or excluded): PhabricatorSearchWorker" in out
-
-    # Phorge's daemon log lives beside the worker database: {namespace}_daemon.
-    daemon_db = mysql_engine.url.database.rsplit("_", 1)[0] + "_daemon"
-    with mysql_engine.begin() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE `{daemon_db}`")
-    try:
-        with mysql_engine.begin() as conn:
-            conn.exec_driver_sql(
-                f"CREATE TABLE `{daemon_db}`.daemon_log (daemon VARCHAR(255), status VARCHAR(8))"
-            )
-            conn.exec_driver_sql(
-                f"INSERT INTO `{daemon_db}`.daemon_log VALUES"
-                " ('PhabricatorTaskmasterDaemon', 'run'), ('PhabricatorTaskmasterDaemon', 'exit'),"
-                " ('PhabricatorTriggerDaemon', 'run')"
-            )
-        assert "warning: 1 PHP taskmaster(s) are running" in invoke("doctor")
-    finally:
-        with mysql_engine.begin() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE `{daemon_db}`")
+    out = invoke("execute", "--id", "99", code=2)
+    assert 'No task with ID "99" matches the constraints!' in out
+    assert "select tasks" in invoke("execute", code=2)

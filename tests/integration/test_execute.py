@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import MySQLdb
 import pytest
 from bad_rows import corrupt_data
+from celery.exceptions import Retry
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, event, select, update
 
@@ -28,6 +29,7 @@ from bridge.queue import retry as retry_module
 from bridge.queue import statements as sql
 from bridge.queue.dialect import db_now
 from bridge.queue.model import (
+    DEFAULT_RETRY_WAIT,
     PRIORITY_DEFAULT,
     RESULT_FAILURE,
     RESULT_SUCCESS,
@@ -210,7 +212,7 @@ def flaky_statement(monkeypatch, statement, failures: int) -> None:
 def test_a_short_task_costs_one_commit_its_outcome(rt, inline):
     task = queue_and_lease(rt, TEST_WORKER, {"duration": 0})
     cost = SessionCost(rt)
-    outcome = run_task(rt, task.lease, task.rawData if inline else None)
+    outcome = run_task(rt, task.lease, task.rawData if inline else None).outcome
     assert outcome is Outcome.SUCCESS
     # The check, then START TRANSACTION, archive, delete, COMMIT (one round trip),
     # on the session's own connection: no pool checkout.
@@ -226,7 +228,7 @@ def test_a_required_lease_beyond_the_dispatch_lease_is_claimed_before_running(rt
     seen = []
     probe.behaviour = lambda ctx: seen.append(active_row(rt, ctx.id).leaseExpires - now(rt))
     cost = SessionCost(rt)
-    assert run_task(rt, task.lease) is Outcome.SUCCESS
+    assert run_task(rt, task.lease).outcome is Outcome.SUCCESS
     assert seen[0] >= 3600 - 1
     assert cost.since()["commits"] == 2, "one claim, one outcome"
 
@@ -236,6 +238,27 @@ def test_the_celery_task_reports_its_outcome_by_label(rt, monkeypatch):
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
     result = execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
     assert result == f"{TEST_WORKER}#{task.id}: success"
+
+
+def test_the_celery_task_raises_what_celery_records_as_its_state(rt, monkeypatch):
+    """FAILURE with the reason for failures and lost leases, RETRY for a yield."""
+    monkeypatch.setattr(execute_module, "runtime", lambda: rt)
+    task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary", "getWaitBeforeRetry": 60})
+    label = f"{TEST_WORKER}#{task.id}"
+    with pytest.raises(execute_module.TaskFailed) as failed:
+        execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
+    assert str(failed.value) == f"{label}: failure: Temporary failure! (due again in 60 s)"
+    with pytest.raises(execute_module.LeaseLost) as lost:
+        execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
+    assert str(lost.value).startswith(f"{label}: lease-lost: the lease was no longer held")
+
+    task = queue_and_lease(rt, TEST_WORKER, {"doWork": "yield", "yieldUntil": time.time() + 60})
+    with pytest.raises(Retry) as yielded:
+        execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
+    assert isinstance(yielded.value.exc, execute_module.TaskYielded)
+    assert str(yielded.value).startswith(f"{TEST_WORKER}#{task.id}: yield (due again in 6")
+    assert issubclass(execute_module.TaskYielded, execute_module.TaskNotDone)
+    assert execute_module.execute.throws == (execute_module.TaskNotDone,)
 
 
 # -- the fence: a lease that is no longer ours changes nothing -----------------------------
@@ -250,7 +273,7 @@ def test_a_message_for_a_lost_lease_changes_nothing(rt, probe, re_leased):
         assert again.id == task.id
     before = active_row(rt, task.id)
 
-    assert run_task(rt, task.lease, task.rawData) is Outcome.LEASE_LOST
+    assert run_task(rt, task.lease, task.rawData).outcome is Outcome.LEASE_LOST
     assert probe.runs == []
     assert active_row(rt, task.id) == before
     assert archive_rows(rt, task.id) == []
@@ -264,7 +287,7 @@ def test_a_lease_lost_while_running_writes_nothing_and_queues_no_followups(rt, p
         set_active(rt, ctx.id, leaseOwner="someone-else", leaseExpires=db_now() + 300)
 
     probe.behaviour = lose_the_lease
-    assert run_task(rt, task.lease) is Outcome.LEASE_LOST
+    assert run_task(rt, task.lease).outcome is Outcome.LEASE_LOST
     assert active_row(rt, task.id).leaseOwner == "someone-else"
     assert archive_rows(rt, task.id) == []
     assert rt.queue.list(TaskFilter(classes=[TEST_WORKER])) == []
@@ -276,7 +299,7 @@ def test_a_lease_lost_while_running_writes_nothing_and_queues_no_followups(rt, p
 def test_a_temporary_failure_waits_as_declared_and_keeps_the_owner(rt):
     data = {"doWork": "fail-temporary", "getWaitBeforeRetry": 42}
     task = queue_and_lease(rt, TEST_WORKER, data)
-    assert run_task(rt, task.lease) is Outcome.FAILURE
+    assert run_task(rt, task.lease).outcome is Outcome.FAILURE
     row = active_row(rt, task.id)
     assert (row.failureCount, row.leaseOwner) == (1, task.leaseOwner)
     assert row.leaseExpires - row.failureTime == 42
@@ -285,12 +308,59 @@ def test_a_temporary_failure_waits_as_declared_and_keeps_the_owner(rt):
 @pytest.mark.parametrize(
     ("failures", "wait"), [(0, RETRY_BASE), (3, RETRY_BASE * 8), (20, RETRY_MAX)]
 )
-def test_without_a_declared_wait_the_backoff_doubles_up_to_its_cap(rt, failures, wait):
-    task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary"})
+def test_without_a_declared_wait_the_backoff_doubles_up_to_its_cap(rt, probe, failures, wait):
+    """For handlers of classes Phorge does not have."""
+    probe.behaviour = fail_temporarily
+    task = queue_and_lease(rt, PROBE)
     set_active(rt, task.id, failureCount=failures)
-    assert run_task(rt, task.lease._replace(failure_count=failures)) is Outcome.FAILURE
+    assert run_task(rt, task.lease._replace(failure_count=failures)).outcome is Outcome.FAILURE
     row = active_row(rt, task.id)
     assert row.leaseExpires - row.failureTime == wait
+
+
+def fail_temporarily(ctx: TaskContext) -> None:
+    raise RuntimeError("Temporary failure!")
+
+
+@pytest.mark.parametrize("failures", [0, 3])
+def test_a_phorge_class_without_a_declared_wait_waits_phorges_flat_300_seconds(rt, failures):
+    task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary"})
+    set_active(rt, task.id, failureCount=failures)
+    assert run_task(rt, task.lease._replace(failure_count=failures)).outcome is Outcome.FAILURE
+    row = active_row(rt, task.id)
+    assert row.leaseExpires - row.failureTime == DEFAULT_RETRY_WAIT
+
+
+def test_a_negative_wait_makes_the_task_due_at_once_as_in_phorge(rt):
+    """Phorge's testTooManyTaskFailures: getWaitBeforeRetry -60 leaves leaseExpires = now-60."""
+    data = {"doWork": "fail-temporary", "getWaitBeforeRetry": -60}
+    task = queue_and_lease(rt, TEST_WORKER, data)
+    assert run_task(rt, task.lease).outcome is Outcome.FAILURE
+    row = active_row(rt, task.id)
+    assert row.leaseExpires - row.failureTime == -60
+    again = rt.queue.lease(1, new_owner(), ids=[task.id])
+    assert [(t.id, t.failureCount) for t in again] == [(task.id, 1)]
+
+
+def test_a_negative_yield_holds_the_task_phorges_minimum_5_seconds(rt, probe):
+    def yield_(ctx: TaskContext) -> None:
+        raise Yield(-60)
+
+    probe.behaviour = yield_
+    task = queue_and_lease(rt, PROBE)
+    assert run_task(rt, task.lease).outcome is Outcome.YIELD
+    row = active_row(rt, task.id)
+    assert row.leaseOwner == YIELD_OWNER
+    assert row.leaseExpires - now(rt) in (5, 4)
+
+
+def test_a_declared_lease_is_set_even_when_shorter_as_php_sets_it(rt, probe):
+    seen: list[int] = []
+    probe.lease = 60
+    probe.behaviour = lambda ctx: seen.append(active_row(rt, ctx.id).leaseExpires - now(rt))
+    task = queue_and_lease(rt, PROBE, seconds=300)
+    assert run_task(rt, task.lease).outcome is Outcome.SUCCESS
+    assert seen[0] in (60, 59)
 
 
 def test_backoff_jitter_stays_within_its_fraction(rt):
@@ -311,7 +381,7 @@ def test_a_temporary_failure_may_carry_its_own_wait(rt, probe):
 
     probe.behaviour = fail
     task = queue_and_lease(rt, PROBE)
-    assert run_task(rt, task.lease) is Outcome.FAILURE
+    assert run_task(rt, task.lease).outcome is Outcome.FAILURE
     row = active_row(rt, task.id)
     assert row.leaseExpires - row.failureTime == 7
 
@@ -321,7 +391,7 @@ def test_past_the_maximum_retry_count_the_task_fails_permanently_unrun(rt, failu
     data = {"doWork": "fail-temporary", "getMaximumRetryCount": 2, "getWaitBeforeRetry": 1}
     task = queue_and_lease(rt, TEST_WORKER, data)
     set_active(rt, task.id, failureCount=failures)
-    outcome = run_task(rt, task.lease._replace(failure_count=failures))
+    outcome = run_task(rt, task.lease._replace(failure_count=failures)).outcome
     if runs:
         assert outcome is Outcome.FAILURE
         assert active_row(rt, task.id).failureCount == 3
@@ -334,7 +404,7 @@ def test_past_the_maximum_retry_count_the_task_fails_permanently_unrun(rt, failu
 def test_a_permanent_failure_is_archived_as_result_1_with_its_reason_logged(rt, caplog):
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-permanent"})
     with caplog.at_level(logging.WARNING):
-        assert run_task(rt, task.lease) is Outcome.PERMANENT_FAILURE
+        assert run_task(rt, task.lease).outcome is Outcome.PERMANENT_FAILURE
     [row] = archive_rows(rt, task.id)
     assert (row.result, row.duration) == (RESULT_FAILURE, 0)
     assert f"task {task.id} failed permanently: Permanent failure!" in caplog.text
@@ -349,7 +419,7 @@ def test_a_yield_hands_the_task_back_for_its_duration_without_a_failure(
 
     probe.behaviour = yield_
     task = queue_and_lease(rt, PROBE)
-    assert run_task(rt, task.lease) is Outcome.YIELD
+    assert run_task(rt, task.lease).outcome is Outcome.YIELD
     row = active_row(rt, task.id)
     assert (row.leaseOwner, row.failureCount) == (YIELD_OWNER, 0)
     assert row.leaseExpires - now(rt) in (held_for, held_for - 1)
@@ -379,11 +449,11 @@ def test_an_unusable_policy_falls_back_to_the_default_and_the_run_is_reported(
         handler = rt.registry.handler_for(TEST_WORKER)
         monkeypatch.setattr(handler, broken_hook, raise_lookup_error)
     task = queue_and_lease(rt, TEST_WORKER, data)
-    assert run_task(rt, task.lease) is outcome
+    assert run_task(rt, task.lease).outcome is outcome
     if outcome is Outcome.FAILURE:
         row = active_row(rt, task.id)
         assert row.failureCount == 1
-        assert row.leaseExpires - row.failureTime == RETRY_BASE
+        assert row.leaseExpires - row.failureTime == DEFAULT_RETRY_WAIT
 
 
 # -- follow-ups -------------------------------------------------------------------------------
@@ -398,12 +468,12 @@ def test_followups_are_queued_once_on_success_with_the_parents_priority(rt, prob
 
     probe.behaviour = queue_two
     task = queue_and_lease(rt, PROBE, priority=1500)
-    assert run_task(rt, task.lease) is Outcome.FAILURE
+    assert run_task(rt, task.lease).outcome is Outcome.FAILURE
     assert rt.queue.list(TaskFilter(classes=[TEST_WORKER])) == [], "queued by a failed run"
 
     set_active(rt, task.id, leaseExpires=db_now() - 1)
     [again] = rt.queue.lease(1, new_owner("bridge"), 300, classes=[PROBE])
-    assert run_task(rt, again.lease) is Outcome.SUCCESS
+    assert run_task(rt, again.lease).outcome is Outcome.SUCCESS
     followups = rt.queue.list(TaskFilter(classes=[TEST_WORKER]))
     assert sorted((t.data["n"], t.priority) for t in followups) == [(1, 1500), (2, 4000)]
     assert all(t.id > task.id and t.leaseOwner is None for t in followups)
@@ -412,7 +482,7 @@ def test_followups_are_queued_once_on_success_with_the_parents_priority(rt, prob
 def test_followups_of_a_default_priority_parent_get_the_default(rt):
     data = {"followups": [{"taskClass": PROBE, "data": {}}]}
     task = queue_and_lease(rt, TEST_WORKER, data)
-    assert run_task(rt, task.lease) is Outcome.SUCCESS
+    assert run_task(rt, task.lease).outcome is Outcome.SUCCESS
     [followup] = rt.queue.list(TaskFilter(classes=[PROBE]))
     assert followup.priority == PRIORITY_DEFAULT
 
@@ -445,7 +515,7 @@ def test_unusable_task_data_fails_permanently_with_a_clear_reason(
     task = queue_and_lease(rt, PROBE, {})
     corrupt(rt, task.id, stored)
     with caplog.at_level(logging.WARNING):
-        assert run_task(rt, task.lease, inline) is Outcome.PERMANENT_FAILURE
+        assert run_task(rt, task.lease, inline).outcome is Outcome.PERMANENT_FAILURE
     assert probe.runs == []
     [row] = archive_rows(rt, task.id)
     assert row.result == RESULT_FAILURE
@@ -454,7 +524,7 @@ def test_unusable_task_data_fails_permanently_with_a_clear_reason(
 
 def test_a_class_no_longer_served_is_handed_back_at_once(rt):
     task = queue_and_lease(rt, "PhabricatorSearchWorker")
-    assert run_task(rt, task.lease) is Outcome.NOT_SERVED
+    assert run_task(rt, task.lease).outcome is Outcome.NOT_SERVED
     row = active_row(rt, task.id)
     assert (row.leaseOwner, row.leaseExpires) == (None, None)
 
@@ -476,7 +546,7 @@ def test_the_heartbeat_renews_the_lease_of_a_long_task(rt, probe):
             expiries.append(active_row(rt, ctx.id).leaseExpires)
 
     probe.behaviour = run_long
-    assert run_task(rt, task.lease) is Outcome.SUCCESS
+    assert run_task(rt, task.lease).outcome is Outcome.SUCCESS
     assert expiries[-1] > first_expiry + 1
     assert archive_rows(rt, task.id)[0].result == RESULT_SUCCESS
 
@@ -488,14 +558,14 @@ def test_a_renewal_that_finds_the_lease_lost_means_the_result_is_never_written(r
     def lose_then_regain(ctx: TaskContext) -> None:
         # Expired for one heartbeat (someone could have leased and run it meanwhile)...
         set_active(rt, ctx.id, leaseExpires=db_now() - 1)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a condition wait: generous on a loaded host
         while renewals("lost") == lost_before and time.monotonic() < deadline:
             time.sleep(0.05)
         # ...then ours again: the outcome write alone would now succeed.
         set_active(rt, ctx.id, leaseExpires=db_now() + 300)
 
     probe.behaviour = lose_then_regain
-    assert run_task(rt, task.lease) is Outcome.LEASE_LOST
+    assert run_task(rt, task.lease).outcome is Outcome.LEASE_LOST
     assert renewals("lost") == lost_before + 1
     row = active_row(rt, task.id)
     assert (row.leaseOwner, row.failureCount) == (task.leaseOwner, 0)
@@ -509,7 +579,7 @@ def test_a_database_blip_during_a_renewal_is_retried_not_fatal(rt, probe, monkey
     task = queue_and_lease(rt, PROBE, seconds=SHORT_LEASE)
     # Past the first lease: only the second beat's renewal keeps the task ours.
     probe.behaviour = lambda ctx: time.sleep(SHORT_LEASE + 0.5)
-    assert run_task(rt, task.lease) is Outcome.SUCCESS
+    assert run_task(rt, task.lease).outcome is Outcome.SUCCESS
     assert renewals("error") == errors_before + 1
     assert archive_rows(rt, task.id)[0].result == RESULT_SUCCESS
 
@@ -520,7 +590,7 @@ def test_a_database_blip_during_a_renewal_is_retried_not_fatal(rt, probe, monkey
 def test_transient_errors_while_reporting_are_retried_with_backoff(rt, sleeps, monkeypatch):
     flaky_statement(monkeypatch, sql.ARCHIVE, failures=2)
     task = queue_and_lease(rt, TEST_WORKER)
-    assert run_task(rt, task.lease) is Outcome.SUCCESS
+    assert run_task(rt, task.lease).outcome is Outcome.SUCCESS
     assert len(archive_rows(rt, task.id)) == 1
     assert len(sleeps) == 2 and sleeps[0] < sleeps[1]
 
@@ -530,7 +600,7 @@ def test_after_the_bounded_attempts_the_lease_is_left_to_expire(rt, sleeps, monk
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary"})
     before = active_row(rt, task.id)
     with caplog.at_level(logging.WARNING):
-        assert run_task(rt, task.lease) is Outcome.UNREPORTED
+        assert run_task(rt, task.lease).outcome is Outcome.UNREPORTED
     assert len(sleeps) == REPORT_ATTEMPTS - 1
     assert active_row(rt, task.id) == before, "the lease was touched"
     assert "not written; the lease will expire" in caplog.text
@@ -542,9 +612,9 @@ def test_a_redelivered_dispatch_does_not_rerun_a_task_waiting_to_retry(rt, probe
 
     probe.behaviour = fail
     task = queue_and_lease(rt, PROBE)
-    assert run_task(rt, task.lease) is Outcome.FAILURE
+    assert run_task(rt, task.lease).outcome is Outcome.FAILURE
     # The broker redelivers the same message: same owner, lease (the wait) unexpired.
-    assert run_task(rt, task.lease) is Outcome.LEASE_LOST
+    assert run_task(rt, task.lease).outcome is Outcome.LEASE_LOST
     assert len(probe.runs) == 1
     assert active_row(rt, task.id).failureCount == 1
 
@@ -553,5 +623,5 @@ def test_a_non_utf8_data_row_fails_that_task_permanently(rt):
     task_id = rt.queue.enqueue(TEST_WORKER, {})
     corrupt_data(rt.queue, task_id)
     [task] = rt.queue.lease(1, new_owner("bridge"), 300)
-    assert run_task(rt, task.lease) is Outcome.PERMANENT_FAILURE
+    assert run_task(rt, task.lease).outcome is Outcome.PERMANENT_FAILURE
     assert archive_rows(rt, task_id)[0].result == RESULT_FAILURE

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 from importlib import resources
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,7 @@ def test_the_methods_are_admin_only_by_construction() -> None:
         "    $this->requireBridgeCaller($request);",
     ):
         assert declaration in source
-    assert source.count("extends PhorgeBridgeConduitAPIMethod") == 2
+    assert source.count("extends PhorgeBridgeConduitAPIMethod") == 3
     assert source.count("extends ConduitAPIMethod") == 1
 
 
@@ -217,3 +218,19 @@ def test_the_cli_installs_and_checks_the_extension(tmp_path: Path) -> None:
         main, ["phorge", "install-extension", "--phorge-root", str(tmp_path)]
     )
     assert not_phorge.exit_code == 1 and "does not look like a Phorge checkout" in not_phorge.output
+
+
+def test_worker_version_reports_this_release_and_the_hash_doctor_compares() -> None:
+    """doctor compares worker.version's sha256 (PHP's hash_file of the installed copy)
+    with the shipped bytes', and shows the release, the package's own."""
+    [path] = shipped_php_files()
+    php_hash = subprocess.run(
+        [php_binary(), "-n", "-r", f"echo hash_file('sha256', {json.dumps(str(path))});"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert php_hash == phorge_extension.shipped_sha256()
+    assert phorge_extension.shipped_version() == version("phorge-bridge")
+    assert "return 'worker.version';" in shipped_source().decode()

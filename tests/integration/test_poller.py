@@ -6,17 +6,21 @@ send are recorded instead of published (the acceptance tests publish them for re
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from conduit_fakes import TOKEN, FakeServer, Reply, conduit_result
 from sqlalchemy import Engine, update
 
 from bridge.config import load_settings
 from bridge.handlers.api import Handler, TaskContext
+from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.registry import Registry
+from bridge.phorge.conduit import ConduitClient
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
 from bridge.queue.model import NewTask, TaskFilter, lease_epoch, new_owner
@@ -55,14 +59,16 @@ def sent(monkeypatch) -> list[Message]:
     """The bridge.execute messages polls send, in order."""
     messages: list[Message] = []
 
-    def apply_async(args, kwargs, queue, argsrepr, kwargsrepr, producer) -> None:
+    def apply_async(args, kwargs, queue, argsrepr, kwargsrepr, producer, **options) -> None:
         assert kwargsrepr == "{}"
+        # Every message carries a trace context of its own for the execution to keep.
+        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", options["headers"]["traceparent"])
         messages.append(
             Message(
                 *args,
                 kwargs.get("data"),
                 kwargs["taskClass"],
-                queue,
+                getattr(queue, "name", queue),
                 argsrepr,
                 kwargs.get("repoll", False),
             )
@@ -173,6 +179,26 @@ def test_only_classes_the_bridge_can_run_are_leased(make_runtime, sent, settings
     assert {m.task_class for m in sent} == leased
     unleased = [t for t in rt.queue.list(TaskFilter(active=True)) if t.leaseOwner is None]
     assert php_only in {t.id for t in unleased}
+
+
+def test_proxied_classes_wait_while_conduit_is_down(make_runtime, sent):
+    """The poll's process may never have run a proxied task: it probes Conduit itself."""
+    up = False
+
+    def respond(request) -> Reply:
+        return conduit_result({"userName": "bot"}) if up else Reply(502, b"Bad Gateway")
+
+    with FakeServer(respond) as server:
+        rt = make_runtime()
+        proxy = rt.registry.fallback = ConduitProxyHandler(ConduitClient(server.url, TOKEN))
+        enqueue(rt, FAST)
+        [php_only] = enqueue(rt, "PhabricatorSearchWorker")
+        poll_once(rt)
+        assert {m.task_class for m in sent} == {FAST} and proxy.breaker.is_open
+        up = True
+        proxy.breaker._next_probe = 0  # the next probe is due
+        poll_once(rt)
+        assert [m.task_id for m in sent[1:]] == [php_only] and not proxy.breaker.is_open
 
 
 def test_expired_leases_are_leased_again_under_a_new_owner(make_runtime, sent):

@@ -8,6 +8,8 @@ could never be queued.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from bad_rows import corrupt_data
 from sqlalchemy import Engine, select, update
@@ -95,3 +97,23 @@ def test_a_follow_up_of_a_priority_zero_parent_gets_the_default_priority(q):
     with q.engine.connect() as conn:
         priorities = conn.execute(select(active.c.priority)).scalars().all()
     assert priorities == [PRIORITY_DEFAULT]
+
+
+def test_more_threads_than_the_pool_holds_each_get_a_session(q):
+    """A threads pool of 32 (Conduit calls) must not wait on a connection pool of 15."""
+    count = q.engine.pool.size() + q.engine.pool._max_overflow + 5
+    q.enqueue_many([NewTask(WORKER, {}) for _ in range(count)])
+    tasks = q.lease(count, new_owner(), 300)
+    started, results = threading.Barrier(count), []
+
+    def complete(task) -> None:
+        session = q.session  # each thread's own, held while the thread lives
+        started.wait(timeout=60)
+        results.append(session.complete(task.lease, 1))
+
+    threads = [threading.Thread(target=complete, args=(t,)) for t in tasks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results == [True] * count

@@ -852,13 +852,11 @@ def test_a_bad_owner_is_refused_before_anything_is_written(q, owner):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda q, t: q.fail_temporary(t.id, t.leaseOwner, -1),
-        lambda q, t: q.yield_(t.id, t.leaseOwner, -1),
         lambda q, t: q.renew(t.id, t.leaseOwner, 0),
         lambda q, t: q.complete(t.id, t.leaseOwner, -1),
         lambda q, t: q.lease(1, new_owner("test"), 0),
     ],
-    ids=["negative-wait", "negative-yield", "zero-renew", "negative-duration", "zero-lease"],
+    ids=["zero-renew", "negative-duration", "zero-lease"],
 )
 def test_bad_durations_are_refused_before_anything_is_written(q, call):
     task = leased_task(q)
@@ -867,6 +865,19 @@ def test_bad_durations_are_refused_before_anything_is_written(q, call):
     with pytest.raises(ValueError):
         call(q, task)
     assert snapshot(q) == before
+
+
+def test_negative_waits_and_yields_are_applied_as_phorge_applies_them(q):
+    """Phorge's testTooManyTaskFailures retries with -60: the lease expired a minute ago,
+    so the task is due at once; a yield lasts at least 5 s, however short it asks."""
+    failed, yielded = leased_task(q), leased_task(q)
+    assert q.fail_temporary(failed.id, failed.leaseOwner, -60)
+    assert q.yield_(yielded.id, yielded.leaseOwner, -60)
+    now = q.server_time()
+    assert q.get(failed.id).leaseExpires - now in (-60, -61)
+    assert q.get(yielded.id).leaseExpires - now in (5, 4)
+    [again] = q.lease(1, new_owner("test"), ids=[failed.id])
+    assert (again.id, again.failureCount) == (failed.id, 1)
 
 
 # -- payloads: any JSON value, exactly, as PHP reads it ------------------------------------

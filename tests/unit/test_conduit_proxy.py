@@ -23,8 +23,9 @@ from bridge.handlers.conduit_proxy import (
     apply_result,
     execute_params,
 )
+from bridge.handlers.outcome import run_handler
 from bridge.phorge.conduit import ConduitClient
-from bridge.queue.model import NewTask
+from bridge.queue.model import NewTask, Outcome
 
 RAW = '{"key":7713765376809813936,"uri":"https:\\/\\/hooks.example\\/x","n":[]}'
 
@@ -61,11 +62,16 @@ def run_against(reply: Reply, task: TaskContext | None = None, **client_kwargs: 
     return task, server, error
 
 
-def test_request_parameters() -> None:
-    _, server, error = run_against(conduit_result(outcome({"result": "success"})))
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_request_parameters_carry_the_trace_context_as_a_parameter_and_a_header() -> None:
+    task = make_task(traceparent=TRACEPARENT)
+    _, server, error = run_against(conduit_result(outcome({"result": "success"})), task)
     assert error is None
     (request,) = server.requests
     assert request.path == "/api/worker.execute"
+    assert request.headers["traceparent"] == TRACEPARENT
     params = request.params
     assert params.pop("__conduit__") == {"token": TOKEN}
     assert params == {
@@ -76,7 +82,16 @@ def test_request_parameters() -> None:
         "priority": 3500,
         "objectPHID": "PHID-TASK-abc",
         "containerPHID": None,
+        "traceparent": TRACEPARENT,
     }
+
+
+def test_a_proxied_success_archives_the_duration_php_measured() -> None:
+    reply = conduit_result(outcome({"result": "success", "duration": 104_000}))
+    with FakeServer(lambda request: reply) as server:
+        handler = ConduitProxyHandler(ConduitClient(server.url, TOKEN))
+        result = run_handler(handler, make_task())
+    assert (result.outcome, result.duration_us) == (Outcome.SUCCESS, 104_000)
 
 
 def test_data_fallback_without_raw_string() -> None:
@@ -161,10 +176,10 @@ def test_unknown_result_is_temporary(caplog: pytest.LogCaptureFixture) -> None:
     assert isinstance(error, TemporaryFailure)
 
 
-def test_auth_failure_is_temporary_and_loud(caplog: pytest.LogCaptureFixture) -> None:
+def test_auth_failure_yields_and_is_loud(caplog: pytest.LogCaptureFixture) -> None:
     info = f'API token "{TOKEN}" is not valid.'
     _, _, error = run_against(conduit_error("ERR-INVALID-AUTH", info))
-    assert isinstance(error, TemporaryFailure)
+    assert isinstance(error, Yield) and error.delay == 5  # not the task's failure
     assert "ERR-INVALID-AUTH" in str(error)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors and "BRIDGE_CONDUIT_TOKEN" in errors[0].getMessage()
@@ -174,7 +189,7 @@ def test_auth_failure_is_temporary_and_loud(caplog: pytest.LogCaptureFixture) ->
 def test_non_admin_is_an_auth_failure(caplog: pytest.LogCaptureFixture) -> None:
     reply = conduit_error("ERR-BRIDGE-PERMISSION", 'The calling account ("bob") is not an admin.')
     _, _, error = run_against(reply)
-    assert isinstance(error, TemporaryFailure)
+    assert isinstance(error, Yield)
     assert any(r.levelno >= logging.ERROR for r in caplog.records)
 
 
@@ -185,10 +200,11 @@ def test_missing_extension_is_temporary_and_loud(caplog: pytest.LogCaptureFixtur
     assert "install-extension" in caplog.text
 
 
-@pytest.mark.parametrize("status", [500, 502, 503])
-def test_5xx_is_temporary(status: int) -> None:
+@pytest.mark.parametrize(("status", "kind"), [(500, TemporaryFailure), (502, Yield), (503, Yield)])
+def test_5xx(status: int, kind: type) -> None:
+    """A 500 is PHP failing on the task (a failure); 502/503 are the web tier (a yield)."""
     _, _, error = run_against(Reply(status, b"<html><body>Service Unavailable</body></html>"))
-    assert isinstance(error, TemporaryFailure)
+    assert isinstance(error, kind)
     assert f"HTTP {status}" in str(error) and "Service Unavailable" in str(error)
 
 
@@ -202,9 +218,10 @@ def test_read_only_phorge_yields() -> None:
     assert isinstance(error, Yield) and error.delay == 300
 
 
-def test_timeout_is_temporary() -> None:
+def test_a_read_timeout_yields_for_phorges_wait() -> None:
+    """No failure counted, but PHP may still run it: no second run before that wait."""
     _, _, error = run_against(Reply(delay=1.5), read_timeout=0.2)
-    assert isinstance(error, TemporaryFailure)
+    assert isinstance(error, Yield) and error.delay == 300
     assert "timed out" in str(error) and "still be running" in str(error)
 
 
@@ -237,3 +254,33 @@ def test_warnings_are_logged(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_it_claims_no_class_so_it_only_serves_as_the_fallback() -> None:
     assert ConduitProxyHandler.task_classes == ()
+
+
+def test_a_followup_priority_the_queue_refuses_falls_back_to_the_parents(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """PHP writes priority 0; the queue refuses it: queued anyway (not looping the parent),
+    with the parent's priority, and said so; a class it can never take is skipped loudly."""
+    followups = [
+        {"taskClass": "Child", "data": {}, "options": {"priority": 0}},
+        {"taskClass": "Child" + "X" * 70, "data": {}, "options": []},
+    ]
+    reply = conduit_result(outcome({"result": "success", "followups": followups}))
+    task, _, error = run_against(reply)
+    assert error is None
+    # None: the parent's priority, filled in when the follow-up is written.
+    assert [(f.taskClass, f.priority) for f in task.followups] == [("Child", None)]
+    assert "gets the default priority instead of 0" in caplog.text
+    assert any(r.levelno == logging.ERROR and "skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_the_loud_token_error_names_the_token_file_when_that_is_the_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, _, error = run_against(
+        conduit_error("ERR-INVALID-AUTH", "API token is not valid."),
+        token_setting="BRIDGE_CONDUIT_TOKEN_FILE",
+    )
+    assert isinstance(error, Yield)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and "operator fixes BRIDGE_CONDUIT_TOKEN_FILE " in errors[0]

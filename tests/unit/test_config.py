@@ -84,8 +84,9 @@ ACCEPTED = [
     ("BRIDGE_TASK_EVENTS", "OFF", "task_events", False),
     ("BRIDGE_TASK_EVENTS", "0", "task_events", False),
     ("BRIDGE_TASK_EVENTS", "Yes", "task_events", True),
-    ("BRIDGE_METRICS_PORT", "9808", "metrics_port", 9808),
-    ("BRIDGE_METRICS_PORT", "65535", "metrics_port", 65535),
+    ("BRIDGE_METRICS_PORT", "9808", "metrics_port", range(9808, 9809)),
+    ("BRIDGE_METRICS_PORT", "65535", "metrics_port", range(65535, 65536)),
+    ("BRIDGE_METRICS_PORT", "9100-9103", "metrics_port", range(9100, 9104)),
     ("BRIDGE_METRICS_ADDRESS", "0.0.0.0", "metrics_address", "0.0.0.0"),
 ]
 EXPECTED_GLOBS = {"BRIDGE_HANDLERS_INCLUDE": ("Phabricator*", "Herald*")}
@@ -158,6 +159,8 @@ REFUSED = [
     ({"BRIDGE_METRICS_PORT": "0"}, "BRIDGE_METRICS_PORT", "integer"),
     ({"BRIDGE_METRICS_PORT": "http"}, "BRIDGE_METRICS_PORT", "integer"),
     ({"BRIDGE_METRICS_PORT": "99999"}, "BRIDGE_METRICS_PORT", "65535"),
+    ({"BRIDGE_METRICS_PORT": "9103-9100"}, "BRIDGE_METRICS_PORT", "LOW-HIGH"),
+    ({"BRIDGE_METRICS_PORT": "9100-70000"}, "BRIDGE_METRICS_PORT", "65535"),
     ({"BRIDGE_CONDUIT_URL": "https://phorge.example.com"}, "BRIDGE_CONDUIT_TOKEN", "token"),
 ]
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
-from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure
+from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.feed import FeedPublisherHTTPHandler, redact_uri, retry_wait
 from bridge.phorge.conduit import ConduitClient
 from bridge.phorge.php import http_build_query, php_float_to_string, php_urlencode
@@ -154,7 +154,9 @@ def test_urlencode_matches_php() -> None:
 HOOK_PATH = "/hook?secret=s3cr3t"
 
 
-def make_task(uri: str, failure_count: int = 0, key: Any = KEY) -> TaskContext:
+def make_task(
+    uri: str, failure_count: int = 0, key: Any = KEY, traceparent: str | None = None
+) -> TaskContext:
     return TaskContext(
         id=9,
         task_class="FeedPublisherHTTPWorker",
@@ -162,6 +164,7 @@ def make_task(uri: str, failure_count: int = 0, key: Any = KEY) -> TaskContext:
         failure_count=failure_count,
         priority=2000,
         raw_data=json.dumps({"key": key, "uri": uri}),
+        traceparent=traceparent,
     )
 
 
@@ -176,9 +179,11 @@ class Setup:
         story: dict[str, Any] | None = STORY,
         allow: bool = True,
         conduit_reply: Reply | None = None,
+        user_agent: str | None = None,
     ) -> None:
         self.hook = FakeServer(lambda request: hook_reply or Reply(200, b"ok"))
         self.silent, self.story, self.allow = silent, story, allow
+        self.user_agent = user_agent
         self.conduit_reply = conduit_reply
         self.phorge = FakeServer(self.answer)
 
@@ -195,6 +200,7 @@ class Setup:
                 "silent": self.silent,
                 "hookURIs": [self.uri] if self.allow else ["https://other.example/"],
                 "story": self.story,
+                **({"userAgent": self.user_agent} if self.user_agent else {}),
             }
         )
 
@@ -223,6 +229,26 @@ def test_delivers_the_php_body() -> None:
     assert hook_request.headers["content-type"] == "application/x-www-form-urlencoded"
     (expected,) = php_http_build_query_many([STORY])
     assert hook_request.body == expected.encode()
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_sends_phps_user_agent_and_the_trace_context() -> None:
+    setup = Setup(user_agent="Arcanist/1.0 cURL/7.88.1")
+    assert setup.run(task=make_task(setup.uri, traceparent=TRACEPARENT)) is None
+    (hook_request,) = setup.hook.requests
+    assert hook_request.headers["user-agent"] == "Arcanist/1.0 cURL/7.88.1"
+    assert hook_request.headers["accept"] == "*/*"
+    assert hook_request.headers["traceparent"] == TRACEPARENT
+
+
+def test_an_older_extension_still_gets_phorges_client_name() -> None:
+    setup = Setup()
+    assert setup.run() is None
+    (hook_request,) = setup.hook.requests
+    assert hook_request.headers["user-agent"] == "Arcanist/1.0"
+    assert "traceparent" not in hook_request.headers
 
 
 def test_silenced_hooks_send_nothing() -> None:
@@ -306,13 +332,13 @@ def test_unreachable_hook_is_temporary() -> None:
     assert info.value.delay == 60
 
 
-def test_conduit_problems_are_temporary(caplog: pytest.LogCaptureFixture) -> None:
+def test_conduit_outages_yield_without_a_failure(caplog: pytest.LogCaptureFixture) -> None:
     setup = Setup(conduit_reply=conduit_error("ERR-INVALID-AUTH", "API token is not valid."))
     error = setup.run()
-    assert isinstance(error, TemporaryFailure)
+    assert isinstance(error, Yield)
     assert setup.hook.requests == []
     assert any(r.levelno >= logging.ERROR for r in caplog.records)
-    assert isinstance(Setup(conduit_reply=Reply(502, b"bad gateway")).run(), TemporaryFailure)
+    assert isinstance(Setup(conduit_reply=Reply(502, b"bad gateway")).run(), Yield)
 
 
 def test_every_attempt_is_logged(caplog: pytest.LogCaptureFixture) -> None:

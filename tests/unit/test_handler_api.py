@@ -21,6 +21,7 @@ from bridge.config import load_settings
 from bridge.errors import DuplicateHandlerError
 from bridge.handlers.api import stored_data
 from bridge.handlers.outcome import policy, run_handler
+from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry, build_registry, instantiate
 from bridge.handlers.testing import run
 from bridge.queue.model import PRIORITY_DEFAULT
@@ -231,3 +232,19 @@ def test_the_helper_runs_on_data_as_phorge_stores_it():
     assert (task.priority, stored_data(task)) == (PRIORITY_DEFAULT, '{"ids":[1,2]}')
     with pytest.raises(ValueError, match="JSON"):
         run(record, {1, 2})
+
+
+def test_a_handler_standing_in_for_a_phorge_class_keeps_phorges_flat_wait():
+    failed = run(PhabricatorTestWorker(), {"doWork": "fail-temporary"}, failure_count=4)
+    assert (failed.outcome, failed.delay) == (Outcome.FAILURE, 300)
+
+    @handler("ExampleWorker")
+    def own(task: TaskContext) -> None:
+        raise RuntimeError("down")
+
+    assert run(own, {}).delay is None  # the bridge's backoff, for classes Phorge lacks
+
+
+def test_negative_waits_pass_through_as_phorge_applies_them():
+    data = {"doWork": "fail-temporary", "getWaitBeforeRetry": -60}
+    assert run(PhabricatorTestWorker(), data).delay == -60

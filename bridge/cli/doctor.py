@@ -1,0 +1,411 @@
+"""``phorge-bridge doctor``: check every dependency the bridge has, and name each failure.
+
+Each check is a small function ``check(doctor) -> Check`` in :data:`CHECKS`, run in
+order; adding one is one line there. A check that needs an earlier one to have passed
+calls ``doctor.require(name)``, which skips it (rather than failing it twice) when that
+one did not pass. A check that raises fails with the exception's message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Any, Literal
+
+from sqlalchemy import bindparam, inspect, select, text
+
+from bridge.config import ConfigError, Settings, load_settings
+from bridge.handlers.conduit_proxy import ConduitProxyHandler
+from bridge.phorge.conduit import (
+    ConduitAuthError,
+    ConduitClient,
+    ConduitError,
+    ConduitMethodNotFoundError,
+)
+from bridge.phorge.extension import VERSION_METHOD, shipped_sha256, shipped_version
+from bridge.queue import PhorgeQueue
+from bridge.queue.schema import lisk_counter, metadata
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+# Phorge's daemon console (PhabricatorDaemonLogQuery): a running daemon whose heartbeat
+# (daemon_log.dateModified, every PhutilDaemonHandle::getHeartbeatEventFrequency() = 120 s)
+# is older than 3 beats is "unknown", older than 30 beats "dead".
+HEARTBEAT_SECONDS = 120
+UNKNOWN_AFTER = 3 * HEARTBEAT_SECONDS
+DEAD_AFTER = 30 * HEARTBEAT_SECONDS
+RUNNING_STATUSES = ("run", "wait", "exiting")
+
+# Host clock vs the database's: the bridge itself only uses the database's, but operator
+# epochs (``delay --until``) and Phorge's PHP hosts use theirs.
+SKEW_WARN = 2
+SKEW_FAIL = 300
+
+# How long doctor waits for the broker and for Conduit.
+PROBE_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's verdict, as printed and as ``--json`` emits it."""
+
+    name: str
+    status: Status
+    detail: str
+
+
+class Skipped(Exception):
+    """A check cannot run because one it depends on did not pass."""
+
+
+@dataclass
+class Doctor:
+    """What the checks share: the settings, and the connections made from them."""
+
+    settings: Settings | None = None
+    results: dict[str, Check] = field(default_factory=dict)
+
+    def require(self, name: str) -> None:
+        earlier = self.results.get(name)
+        if earlier is None or earlier.status not in ("ok", "warn"):
+            raise Skipped(f"needs the {name} check to pass")
+
+    @cached_property
+    def queue(self) -> PhorgeQueue:
+        self.require("settings")
+        assert self.settings is not None
+        return PhorgeQueue.from_url(self.settings.database_url, attempts=1)
+
+    @cached_property
+    def conduit(self) -> ConduitClient | None:
+        """A client with short timeouts, or None when the proxy is not configured."""
+        self.require("settings")
+        assert self.settings is not None
+        if self.settings.conduit is None:
+            return None
+        client = ConduitClient.from_settings(self.settings.conduit)
+        client.read_timeout = min(client.read_timeout, PROBE_TIMEOUT)
+        return client
+
+    @property
+    def token_setting(self) -> str:
+        assert self.settings is not None and self.settings.conduit is not None
+        return self.settings.conduit.token_setting
+
+    def run(self, check: Callable[[Doctor], Check]) -> Check:
+        name = check.__name__.removeprefix("check_").replace("_", " ")
+        try:
+            result = check(self)
+        except Skipped as exc:
+            result = Check(name, "skip", str(exc))
+        except Exception as exc:
+            result = Check(name, "fail", f"{type(exc).__name__}: {exc}")
+        self.results[name] = result
+        return result
+
+
+def check_settings(doctor: Doctor) -> Check:
+    try:
+        doctor.settings = load_settings()
+    except ConfigError as exc:
+        return Check("settings", "fail", f"configuration error: {exc}")
+    return Check("settings", "ok", "every BRIDGE_* setting is valid")
+
+
+def check_database(doctor: Doctor) -> Check:
+    try:
+        now = doctor.queue.server_time()
+    except Exception as exc:
+        return Check("database", "fail", f"unreachable: {exc}")
+    return Check("database", "ok", f"reachable (server time {now})")
+
+
+def _type_name(column_type: Any, dialect: Any) -> str:
+    """A column type as the server would spell it, without charset and collation."""
+    compiled = column_type.compile(dialect=dialect)
+    compiled = re.sub(r"\s+(CHARACTER SET|COLLATE)\s+\S+", "", compiled, flags=re.I)
+    # Integer display widths (MariaDB's INT(10)) are no part of the type.
+    compiled = re.sub(
+        r"\b(TINYINT|SMALLINT|MEDIUMINT|INTEGER|INT|BIGINT)\(\d+\)", r"\1", compiled, flags=re.I
+    )
+    return re.sub(r"\bINT\b", "INTEGER", compiled.upper())
+
+
+def check_tables(doctor: Doctor) -> Check:
+    """Phorge's four tables, column for column (name, type, nullability)."""
+    doctor.require("database")
+    engine = doctor.queue.engine
+    inspector = inspect(engine)
+    problems = []
+    existing = set(inspector.get_table_names())
+    for table in metadata.sorted_tables:
+        if table.name not in existing:
+            problems.append(f"{table.name} is missing")
+            continue
+        found = {c["name"]: c for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            actual = found.get(column.name)
+            if actual is None:
+                problems.append(f"{table.name}.{column.name} is missing")
+                continue
+            want = _type_name(column.type.dialect_impl(engine.dialect), engine.dialect)
+            have = _type_name(actual["type"], engine.dialect)
+            if want != have:
+                problems.append(f"{table.name}.{column.name} is {have}, expected {want}")
+            if bool(actual["nullable"]) != bool(column.nullable) and not column.primary_key:
+                null = "NULL" if column.nullable else "NOT NULL"
+                problems.append(f"{table.name}.{column.name} should be {null}")
+    if problems:
+        return Check("tables", "fail", "; ".join(problems))
+    return Check("tables", "ok", ", ".join(t.name for t in metadata.sorted_tables))
+
+
+def check_task_id_counter(doctor: Doctor) -> Check:
+    """lisk_counter's worker_activetask row: PHP and the bridge draw task ids from it."""
+    doctor.require("tables")
+    with doctor.queue.engine.connect() as conn:
+        value = conn.execute(
+            select(lisk_counter.c.counterValue).where(
+                lisk_counter.c.counterName == "worker_activetask"
+            )
+        ).scalar()
+        highest = conn.execute(
+            text(
+                "SELECT MAX(id) FROM (SELECT MAX(id) AS id FROM worker_activetask"
+                " UNION ALL SELECT MAX(id) FROM worker_archivetask) AS ids"
+            )
+        ).scalar()
+    name = "task id counter"
+    if value is None:
+        if highest:
+            return Check(
+                name,
+                "fail",
+                f"lisk_counter has no worker_activetask row but task ids reach {highest}: "
+                "the next task would reuse id 1",
+            )
+        return Check(name, "warn", "no worker_activetask row yet; the first enqueue makes it")
+    if highest and value < highest:
+        return Check(name, "fail", f"lisk_counter is at {value}, below the highest id {highest}")
+    return Check(name, "ok", f"worker_activetask at {value}")
+
+
+def check_served_classes(doctor: Doctor) -> Check:
+    doctor.require("database")
+    from bridge.handlers.registry import build_registry
+
+    assert doctor.settings is not None
+    classes = doctor.queue.task_classes()
+    served = build_registry(doctor.settings).runnable(classes)
+    detail = f"{len(classes)} in the queue; served by the bridge: {', '.join(served) or 'none'}"
+    left = sorted(set(classes) - set(served))
+    if left:
+        detail += f"; left to PHP (no handler, or excluded): {', '.join(left)}"
+    return Check("served classes", "ok", detail)
+
+
+def check_broker(doctor: Doctor) -> Check:
+    doctor.require("settings")
+    assert doctor.settings is not None
+    from kombu import Connection
+
+    with Connection(doctor.settings.broker_url, connect_timeout=PROBE_TIMEOUT) as connection:
+        try:
+            connection.ensure_connection(max_retries=1, timeout=PROBE_TIMEOUT)
+        except Exception as exc:
+            return Check("broker", "fail", f"{connection.as_uri()} unreachable: {exc}")
+        return Check("broker", "ok", f"{connection.as_uri()} reachable")
+
+
+def check_queue_consumers(doctor: Doctor) -> Check:
+    """Queues with due rows and no live worker, from Celery's control API and the database."""
+    doctor.require("broker")
+    doctor.require("database")
+    from bridge.celery import app
+    from bridge.handlers.registry import build_registry
+    from bridge.runtime.consumers import describe, survey
+
+    assert doctor.settings is not None
+    statuses = survey(app, doctor.queue.stats(), build_registry(doctor.settings), doctor.settings)
+    detail = "; ".join(describe(s) for s in statuses)
+    return Check("queue consumers", "fail" if any(s.stranded for s in statuses) else "ok", detail)
+
+
+def check_conduit(doctor: Doctor) -> Check:
+    client = doctor.conduit
+    if client is None:
+        return Check("conduit", "ok", "not configured: classes without a handler stay with PHP")
+    try:
+        host = client.call("conduit.ping")
+    except ConduitAuthError:
+        host = "?"  # Phorge answered; the token check says what it thinks of the token
+    except ConduitError as exc:
+        return Check("conduit", "fail", str(exc))
+    return Check("conduit", "ok", f"{client.base_url} answers (host {host})")
+
+
+def check_conduit_token(doctor: Doctor) -> Check:
+    doctor.require("conduit")
+    client = doctor.conduit
+    if client is None:
+        raise Skipped("the Conduit proxy is not configured")
+    setting = doctor.token_setting
+    try:
+        user = client.call("user.whoami")
+    except ConduitAuthError as exc:
+        return Check("conduit token", "fail", f"Phorge refuses the token in {setting}: {exc}")
+    name = user.get("userName") if isinstance(user, dict) else None
+    roles = user.get("roles") if isinstance(user, dict) else None
+    if not isinstance(roles, list) or "admin" not in roles or "disabled" in roles:
+        return Check(
+            "conduit token",
+            "fail",
+            f"the token in {setting} belongs to {name!r}, which is not an active administrator "
+            "(worker.execute answers administrators only)",
+        )
+    return Check("conduit token", "ok", f"{setting}: administrator {name!r}")
+
+
+def check_conduit_breaker(doctor: Doctor) -> Check:
+    """What the workers' circuit breakers conclude: they probe exactly as this does."""
+    client = doctor.conduit
+    if client is None:
+        raise Skipped("the Conduit proxy is not configured")
+    reason = ConduitProxyHandler(client).probe()
+    if reason is None:
+        return Check("conduit breaker", "ok", "closed: PHP-only tasks are leased")
+    return Check(
+        "conduit breaker",
+        "fail",
+        f"open: the bridge leases no PHP-only task until Conduit answers ({reason})",
+    )
+
+
+def check_extension(doctor: Doctor) -> Check:
+    client = doctor.conduit
+    if client is None:
+        raise Skipped("the Conduit proxy is not configured")
+    doctor.require("conduit token")
+    install = "run `phorge-bridge phorge install-extension --phorge-root ...`"
+    try:
+        installed = client.call(VERSION_METHOD)
+    except ConduitMethodNotFoundError:
+        return Check(
+            "extension",
+            "fail",
+            f"Phorge has no {VERSION_METHOD}: the extension is missing or older than "
+            f"{shipped_version()}; {install}",
+        )
+    if not isinstance(installed, dict) or installed.get("sha256") != shipped_sha256():
+        version = installed.get("version") if isinstance(installed, dict) else installed
+        return Check(
+            "extension",
+            "fail",
+            f"installed {version!r} differs from the {shipped_version()} this bridge ships; "
+            f"{install}",
+        )
+    return Check("extension", "ok", f"version {shipped_version()}, current")
+
+
+def _daemon_log(queue: PhorgeQueue) -> str | None:
+    """Phorge's daemon log table, beside the worker database: ``{namespace}_daemon``."""
+    url = queue.engine.url
+    if url.get_backend_name() == "sqlite" or not url.database or "_" not in url.database:
+        return None
+    return f"`{url.database.rsplit('_', 1)[0]}_daemon`.daemon_log"
+
+
+def check_taskmasters(doctor: Doctor) -> Check:
+    """PHP taskmasters with a live heartbeat, as Phorge's daemon console counts them."""
+    doctor.require("database")
+    name = "taskmasters"
+    table = _daemon_log(doctor.queue)
+    if table is None:
+        return Check(name, "ok", "not applicable (no Phorge daemon database beside this one)")
+    age = "UNIX_TIMESTAMP() - dateModified"
+    query = text(
+        f"SELECT COALESCE(SUM({age} <= :unknown), 0),"
+        f" COALESCE(SUM({age} > :unknown AND {age} <= :dead), 0),"
+        f" COALESCE(SUM({age} > :dead), 0)"
+        f" FROM {table} WHERE status IN :running AND daemon LIKE '%TaskmasterDaemon'"
+    ).bindparams(
+        bindparam("running", RUNNING_STATUSES, expanding=True),
+        unknown=UNKNOWN_AFTER,
+        dead=DEAD_AFTER,
+    )
+    try:
+        with doctor.queue.engine.connect() as conn:
+            live, unknown, dead = (int(n) for n in conn.execute(query).one())
+    except Exception as exc:
+        return Check(name, "warn", f"unknown: Phorge's daemon log is not readable: {exc}")
+    ignored = (
+        f"; not counted, as Phorge's daemon console calls them: {unknown} unknown "
+        f"(heartbeat over {UNKNOWN_AFTER} s old), {dead} dead (over {DEAD_AFTER} s)"
+        if unknown or dead
+        else ""
+    )
+    if live:
+        return Check(
+            name,
+            "warn",
+            f"{live} running. They split the work with the bridge, and retry Python-only "
+            "classes every 5 minutes forever: set phd.taskmasters to 0 and restart phd "
+            f"(docs/operations.md){ignored}",
+        )
+    return Check(name, "ok", f"none running{ignored}")
+
+
+def check_clock_skew(doctor: Doctor) -> Check:
+    doctor.require("database")
+    before = time.time()
+    server = doctor.queue.server_time()
+    after = time.time()
+    # The server's clock has whole seconds: allow the round trip and one second.
+    host = (before + after) / 2
+    skew = server - host
+    slack = (after - before) / 2 + 1
+    excess = max(abs(skew) - slack, 0)
+    detail = f"database clock {skew:+.1f} s from this host's"
+    if excess > SKEW_FAIL:
+        return Check("clock skew", "fail", f"{detail}: fix NTP on one of them")
+    if excess > SKEW_WARN:
+        return Check("clock skew", "warn", f"{detail}: epochs typed here are off by as much")
+    return Check("clock skew", "ok", detail)
+
+
+CHECKS: list[Callable[[Doctor], Check]] = [
+    check_settings,
+    check_database,
+    check_tables,
+    check_task_id_counter,
+    check_served_classes,
+    check_broker,
+    check_queue_consumers,
+    check_conduit,
+    check_conduit_token,
+    check_conduit_breaker,
+    check_extension,
+    check_taskmasters,
+    check_clock_skew,
+]
+
+
+def diagnose() -> list[Check]:
+    """Run every check in order."""
+    doctor = Doctor()
+    return [doctor.run(check) for check in CHECKS]
+
+
+def render(results: list[Check], as_json: bool) -> str:
+    if as_json:
+        return json.dumps(
+            {
+                "ok": not any(r.status == "fail" for r in results),
+                "checks": [asdict(r) for r in results],
+            }
+        )
+    return "\n".join(f"{r.status:<4}  {r.name}: {r.detail}" for r in results)

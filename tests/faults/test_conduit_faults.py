@@ -1,0 +1,192 @@
+"""Phorge's web tier failing under the Conduit proxy: no task pays for it.
+
+A fake Phorge (a real HTTP server) answers ``worker.execute`` with success after 0.1 s;
+once a fifth of the proxied tasks is archived, it goes down (port closed), answers 502 or
+an HTML page, answers slowly, closes mid-response, or refuses the token, for 6 s (30 s
+with ``--long-faults``). Native tasks queued during the outage must still run; every
+proxied task must end archived with no failure counted; each worker process logs the
+outage once; the metric and ``doctor`` show the open breaker; and the queue moves again
+within seconds of Phorge coming back.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from conduit_fakes import (
+    TOKEN,
+    FakeServer,
+    Reply,
+    Request,
+    conduit_error,
+    conduit_result,
+    execute_answer,
+)
+
+from bridge.queue.model import RESULT_SUCCESS
+
+HTML_502 = b"<html><head><title>502 Bad Gateway</title></head><body>nginx</body></html>"
+MAINTENANCE = b"<html><body><h1>Down for maintenance</h1></body></html>"
+RUN_SECONDS = 0.1  # what PHP takes for each task
+SLOW_SECONDS = 1.5  # a slow Phorge, still well within the read timeout
+UNAVAILABLE = "Conduit is unavailable; PHP-only tasks are held back"
+
+
+@dataclass
+class FakePhorge:
+    """Answers by ``mode``; counts the runs PHP really did (answered or cut off)."""
+
+    mode: str = "up"
+    executed: Counter = field(default_factory=Counter)
+    cut: Counter = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def respond(self, request: Request) -> Reply | None:
+        mode = self.mode
+        if mode == "down":  # kept-alive connections outlive the closed port: hang them up
+            return None
+        if mode == "html502":
+            return Reply(502, HTML_502, {"Content-Type": "text/html"})
+        if mode == "html200":
+            return Reply(200, MAINTENANCE, {"Content-Type": "text/html"})
+        if mode == "revoked":
+            return conduit_error("ERR-INVALID-AUTH", f'API token "{TOKEN}" is not valid.')
+        if request.path != "/api/worker.execute":  # the circuit breaker's probe
+            reply = conduit_result({"userName": "bridge-bot", "roles": ["admin"]})
+        else:
+            task_id = request.params["taskID"]
+            with self.lock:
+                self.executed[task_id] += 1
+                if mode == "cut":
+                    self.cut[task_id] += 1
+            reply = conduit_result(execute_answer(result="success", duration=100000))
+            reply.delay = RUN_SECONDS
+        if mode == "cut":
+            reply.cut_after = 12
+        if mode == "slow":
+            reply.delay = SLOW_SECONDS
+        return reply
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def metric(port: int, name: str) -> float | None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def doctor_breaker(bridge) -> str:
+    """The status of doctor's ``conduit breaker`` check, run as an operator would."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bridge.cli", "doctor", "--json"],
+        env=bridge.environ("doctor"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    return checks["conduit breaker"]["status"]
+
+
+@dataclass
+class Deployment:
+    """One bridge and one fake Phorge for the module; each test breaks Phorge once."""
+
+    bridge: Any
+    phorge: FakePhorge
+    server: FakeServer
+    metrics_port: int
+
+    def metric(self) -> float | None:
+        return metric(self.metrics_port, "phorge_bridge_conduit_breaker_open")
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    module_fault_database, fault_redis, make_module_fault_bridge, tmp_path_factory
+) -> Iterator[Deployment]:
+    phorge = FakePhorge()
+    server = FakeServer(phorge.respond).__enter__()
+    multiproc = tmp_path_factory.mktemp("prometheus")
+    metrics_port = free_port()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PROMETHEUS_MULTIPROC_DIR", str(multiproc))
+        bridge = make_module_fault_bridge(
+            module_fault_database,
+            fault_redis.url,
+            CONDUIT_URL=server.url,
+            CONDUIT_TOKEN=TOKEN,
+            CONDUIT_READ_TIMEOUT="10",
+            METRICS_PORT=str(metrics_port),
+            MAX_INFLIGHT="4",  # a slow Phorge must not leave dispatched tasks past their lease
+        )
+        bridge.serve()
+    deployment = Deployment(bridge, phorge, server, metrics_port)
+    try:
+        yield deployment
+    finally:
+        bridge.stop()  # before the fake Phorge goes away
+        deployment.server.__exit__()
+
+
+@pytest.mark.parametrize("fault", ["down", "html502", "html200", "slow", "cut", "revoked"])
+def test_conduit_fault(fault, deployment, fault_run, request):
+    outage = 30.0 if request.config.getoption("--long-faults") else 6.0
+    bridge, phorge = deployment.bridge, deployment.phorge
+    logged_before = {process.name: len(process.log()) for process in bridge.processes}
+    run = fault_run(bridge)
+    proxied = bridge.enqueue("ProxiedWorker", {}, count=20)
+    run.add(proxied, RESULT_SUCCESS)
+    run.start()
+    run.wait_fraction(0.2)
+    started = time.monotonic()
+    phorge.mode = fault
+    if fault == "down":
+        port = deployment.server.httpd.server_address[1]
+        deployment.server.__exit__()
+    natives = run.queue(4, duration=0)
+    bridge.wait_archived(natives, timeout=60)  # native work goes on meanwhile
+
+    def new_logs() -> str:
+        return "\n".join(p.log()[logged_before[p.name] :] for p in bridge.processes)
+
+    if fault != "slow":
+        bridge.wait_until(lambda: UNAVAILABLE in new_logs(), 60, "the outage's log line")
+        assert deployment.metric() == 1
+    time.sleep(max(0.0, outage - (time.monotonic() - started)))  # the outage itself
+    if fault != "slow":
+        assert doctor_breaker(bridge) == "fail"
+    if fault == "down":
+        deployment.server = FakeServer(phorge.respond, port=port).__enter__()
+    phorge.mode = "up"
+    run.over()
+    run.check(recover_within=None if fault == "slow" else min(outage, 60) + 15)
+    rows = bridge.archived(proxied)
+    assert {r.failureCount for r in rows.values()} == {0}, "an outage counted as a failure"
+    for task_id in proxied:  # PHP ran each once, again only after a cut-off answer
+        assert 1 <= phorge.executed[task_id] <= 1 + phorge.cut[task_id], task_id
+    logs = new_logs()
+    assert logs.count(UNAVAILABLE) <= 3 * 2, "logged per task, not per state change"
+    assert TOKEN not in logs
+    if fault != "slow":
+        assert "is available again: resuming PHP-only tasks" in logs
+        bridge.wait_until(lambda: deployment.metric() == 0, 30, "the metric to show it closed")

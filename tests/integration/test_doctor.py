@@ -1,0 +1,260 @@
+"""``phorge-bridge doctor`` on MariaDB and RabbitMQ, with a local Conduit, breaking one
+dependency at a time: every failure is named and makes the exit status 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
+
+from bridge.cli.main import main
+from bridge.phorge.extension import shipped_sha256, shipped_version
+from bridge.queue import PhorgeQueue
+from bridge.queue.schema import metadata
+
+WHOAMI_ADMIN = {"userName": "bridge-bot", "roles": ["verified", "approved", "activated", "admin"]}
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def phorge(mysql_server: sa.Engine) -> Iterator[sa.Engine]:
+    """A Phorge-like namespace: ``{ns}_worker`` with the queue tables, ``{ns}_daemon`` with
+    the daemon log (doctor finds it beside the worker database)."""
+    namespace = f"bdoc{secrets.token_hex(4)}"
+    with mysql_server.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE `{namespace}_worker`")
+        conn.exec_driver_sql(f"CREATE DATABASE `{namespace}_daemon`")
+        conn.exec_driver_sql(
+            f"CREATE TABLE `{namespace}_daemon`.daemon_log (daemon VARCHAR(255),"
+            " status VARCHAR(8), dateModified INT UNSIGNED)"
+        )
+    engine = sa.create_engine(mysql_server.url.set(database=f"{namespace}_worker"))
+    metadata.create_all(engine)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with mysql_server.connect() as conn:
+            for suffix in ("worker", "daemon"):
+                conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{namespace}_{suffix}`")
+
+
+def daemons(engine: sa.Engine, *rows: tuple[str, str, int]) -> None:
+    """Daemon log rows (class, status, heartbeat age in seconds)."""
+    daemon_log = f"`{engine.url.database.removesuffix('_worker')}_daemon`.daemon_log"
+    with engine.begin() as conn:
+        for daemon, status, age in rows:
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO {daemon_log} VALUES (:daemon, :status, UNIX_TIMESTAMP() - :age)"
+                ),
+                {"daemon": daemon, "status": status, "age": age},
+            )
+
+
+def healthy_conduit(request) -> Reply:
+    method = request.path.removeprefix("/api/")
+    answers = {
+        "conduit.ping": "phorge.example",
+        "user.whoami": WHOAMI_ADMIN,
+        "worker.version": {"version": shipped_version(), "sha256": shipped_sha256()},
+    }
+    return conduit_result(answers[method])
+
+
+@pytest.fixture
+def doctor(phorge, amqp_url, monkeypatch) -> Callable[..., tuple[int, dict[str, dict]]]:
+    """Run ``doctor --json`` with the test services; returns (exit code, checks by name)."""
+    for name in os.environ:
+        if name.startswith("BRIDGE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("BRIDGE_DATABASE_URL", phorge.url.render_as_string(hide_password=False))
+    monkeypatch.setenv("BRIDGE_BROKER_URL", amqp_url)
+
+    def run(**env: str) -> tuple[int, dict[str, dict]]:
+        for name, value in env.items():
+            monkeypatch.setenv(f"BRIDGE_{name}", value)
+        result = CliRunner().invoke(main, ["doctor", "--json"], catch_exceptions=False)
+        report = json.loads(result.output)
+        assert report["ok"] is (result.exit_code == 0)
+        return result.exit_code, {c["name"]: c for c in report["checks"]}
+
+    return run
+
+
+def test_a_healthy_setup_passes(phorge, doctor):
+    with phorge.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO lisk_counter VALUES ('worker_activetask', 7)")
+    with FakeServer(healthy_conduit) as conduit:
+        code, checks = doctor(CONDUIT_URL=conduit.url, CONDUIT_TOKEN=TOKEN)
+    assert code == 0, checks
+    assert {c["status"] for c in checks.values()} == {"ok"}
+    assert checks.keys() >= {
+        "settings",
+        "database",
+        "tables",
+        "task id counter",
+        "served classes",
+        "broker",
+        "conduit",
+        "conduit token",
+        "extension",
+        "taskmasters",
+        "clock skew",
+    }
+    assert "administrator 'bridge-bot'" in checks["conduit token"]["detail"]
+    assert checks["extension"]["detail"] == f"version {shipped_version()}, current"
+
+
+def test_served_classes_and_those_left_to_php_are_named(phorge, doctor):
+    queue = PhorgeQueue(phorge)
+    queue.enqueue("PhabricatorTestWorker", {})
+    queue.enqueue("PhabricatorSearchWorker", {})
+    _, checks = doctor()
+    assert checks["served classes"]["detail"] == (
+        "2 in the queue; served by the bridge: PhabricatorTestWorker; "
+        "left to PHP (no handler, or excluded): PhabricatorSearchWorker"
+    )
+
+
+def test_taskmasters_count_only_with_a_live_heartbeat_as_phorges_console(phorge, doctor):
+    daemons(
+        phorge,
+        ("PhabricatorTaskmasterDaemon", "run", 60),  # alive
+        ("PhabricatorTaskmasterDaemon", "wait", 300),  # alive (under 3 heartbeats)
+        ("PhabricatorTaskmasterDaemon", "exiting", 1000),  # unknown, per Phorge
+        ("PhabricatorTaskmasterDaemon", "run", 3 * 3600),  # dead, per Phorge
+        ("PhabricatorTaskmasterDaemon", "exit", 10),
+        ("PhabricatorTriggerDaemon", "run", 10),
+    )
+    _, checks = doctor()
+    assert checks["taskmasters"]["status"] == "warn"
+    assert checks["taskmasters"]["detail"].startswith("2 running.")
+    assert checks["taskmasters"]["detail"].endswith(
+        "not counted, as Phorge's daemon console calls them: 1 unknown "
+        "(heartbeat over 360 s old), 1 dead (over 3600 s)"
+    )
+
+
+def test_stale_taskmaster_rows_alone_are_not_running(phorge, doctor):
+    daemons(phorge, ("PhabricatorTaskmasterDaemon", "run", 5 * 3600))
+    _, checks = doctor()
+    assert checks["taskmasters"]["status"] == "ok"
+    assert checks["taskmasters"]["detail"].startswith("none running; not counted")
+
+
+@pytest.mark.parametrize("token_setting", ["CONDUIT_TOKEN", "CONDUIT_TOKEN_FILE"])
+def test_a_refused_token_fails_naming_the_setting_in_use(doctor, tmp_path, token_setting):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    value = str(token_file) if token_setting == "CONDUIT_TOKEN_FILE" else TOKEN
+    refuse = conduit_error("ERR-INVALID-AUTH", "API token is invalid.")
+    with FakeServer(lambda request: refuse) as conduit:
+        code, checks = doctor(CONDUIT_URL=conduit.url, **{token_setting: value})
+    assert code == 1
+    assert checks["conduit"]["status"] == "ok"
+    token = checks["conduit token"]
+    assert token["status"] == "fail"
+    assert f"the token in BRIDGE_{token_setting}:" in token["detail"]
+    assert "ERR-INVALID-AUTH" in token["detail"]
+    assert checks["extension"]["status"] == "skip"
+
+
+def test_a_token_of_a_non_administrator_fails(doctor):
+    def answer(request) -> Reply:
+        if request.path.endswith("user.whoami"):
+            return conduit_result({"userName": "alice", "roles": ["verified", "activated"]})
+        return healthy_conduit(request)
+
+    with FakeServer(answer) as conduit:
+        code, checks = doctor(CONDUIT_URL=conduit.url, CONDUIT_TOKEN=TOKEN)
+    assert code == 1
+    assert "'alice', which is not an active administrator" in checks["conduit token"]["detail"]
+
+
+@pytest.mark.parametrize("installed", ["missing", "outdated"])
+def test_a_missing_or_outdated_extension_fails(doctor, installed):
+    def answer(request) -> Reply:
+        if not request.path.endswith("worker.version"):
+            return healthy_conduit(request)
+        if installed == "missing":
+            return conduit_error("ERR-CONDUIT-CALL", 'API Method "worker.version" does not exist.')
+        return conduit_result({"version": "0.0.9", "sha256": "0" * 64})
+
+    with FakeServer(answer) as conduit:
+        code, checks = doctor(CONDUIT_URL=conduit.url, CONDUIT_TOKEN=TOKEN)
+    assert code == 1
+    extension = checks["extension"]
+    assert extension["status"] == "fail"
+    assert "install-extension" in extension["detail"]
+    assert ("'0.0.9'" in extension["detail"]) is (installed == "outdated")
+
+
+def test_unreachable_conduit_and_broker_fail(doctor):
+    port = closed_port()
+    code, checks = doctor(
+        CONDUIT_URL=f"http://127.0.0.1:{port}",
+        CONDUIT_TOKEN=TOKEN,
+        BROKER_URL=f"amqp://guest:guest@127.0.0.1:{port}//",
+    )
+    assert code == 1
+    assert checks["broker"]["status"] == "fail"
+    assert f"127.0.0.1:{port}" in checks["broker"]["detail"]
+    assert checks["conduit"]["status"] == "fail"
+    assert "unreachable" in checks["conduit"]["detail"]
+    assert checks["conduit token"]["status"] == "skip"
+
+
+def test_an_altered_column_and_a_missing_counter_row_fail(phorge, doctor):
+    PhorgeQueue(phorge).enqueue("PhabricatorTestWorker", {})
+    with phorge.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE worker_activetask MODIFY priority VARCHAR(10) NOT NULL")
+        conn.exec_driver_sql("ALTER TABLE worker_archivetask DROP COLUMN archivedEpoch")
+        conn.exec_driver_sql("DELETE FROM lisk_counter")
+    code, checks = doctor()
+    assert code == 1
+    tables = checks["tables"]["detail"]
+    assert "worker_activetask.priority is VARCHAR(10), expected INTEGER UNSIGNED" in tables
+    assert "worker_archivetask.archivedEpoch is missing" in tables
+    assert checks["task id counter"]["status"] == "skip"
+
+    with phorge.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE worker_activetask MODIFY priority INT UNSIGNED NOT NULL")
+        conn.exec_driver_sql("ALTER TABLE worker_archivetask ADD archivedEpoch INT UNSIGNED")
+    code, checks = doctor()
+    assert code == 1
+    assert checks["tables"]["status"] == "ok", checks["tables"]
+    assert "the next task would reuse id 1" in checks["task id counter"]["detail"]
+
+
+def test_an_unreachable_database_fails_and_skips_what_needs_it(doctor):
+    code, checks = doctor(
+        DATABASE_URL=f"mysql+mysqldb://bridge:bridge@127.0.0.1:{closed_port()}/x_worker"
+    )
+    assert code == 1
+    assert checks["database"]["status"] == "fail"
+    assert all(
+        checks[name]["status"] == "skip"
+        for name in ("tables", "task id counter", "served classes", "taskmasters", "clock skew")
+    )
+    assert checks["broker"]["status"] == "ok"
+
+
+def test_the_text_report_has_one_line_per_check(doctor, monkeypatch):
+    doctor()  # sets the environment
+    result = CliRunner().invoke(main, ["doctor"], catch_exceptions=False)
+    lines = result.output.splitlines()
+    assert lines[0] == "ok    settings: every BRIDGE_* setting is valid"
+    assert any(line.startswith("ok    broker: amqp://") for line in lines)

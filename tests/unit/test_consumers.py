@@ -1,0 +1,96 @@
+"""Queues left without a consumer: the judgement, its cache and its log, and liveness age."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from bridge.config import load_settings
+from bridge.queue.model import QueueStats
+from bridge.runtime.consumers import (
+    ConsumersCollector,
+    ConsumerWatch,
+    QueueConsumers,
+    describe,
+    due_by_queue,
+    judge,
+)
+from bridge.runtime.liveness import staleness
+
+SETTINGS = load_settings(
+    {"BRIDGE_ROUTES": "Search*=search", "BRIDGE_CONTROL_QUEUE": "ctl", "BRIDGE_DEFAULT_QUEUE": "d"}
+)
+
+
+def test_due_rows_count_for_their_queue_and_the_control_queue_only_when_served():
+    stats = QueueStats(
+        serverTime=0,
+        by_class={
+            "SearchWorker": {"queued": 2, "expired": 1, "leased": 5},
+            "MailWorker": {"queued": 4, "delayed": 3},
+            "PhpOnlyWorker": {"queued": 9},  # not served: PHP's business
+        },
+    )
+    due = due_by_queue(stats, ["SearchWorker", "MailWorker"], SETTINGS)
+    assert due == {"ctl": 7, "search": 3, "d": 4}
+
+
+def test_a_queue_is_stranded_when_it_has_due_rows_and_no_consumer():
+    statuses = judge({"ctl": 3, "search": 3, "d": 0}, {"ctl": ["w1@h"], "other": ["w2@h"]})
+    assert [(s.queue, s.stranded) for s in statuses] == [
+        ("ctl", False),
+        ("search", True),
+        ("d", False),
+    ]
+    assert describe(statuses[1]) == "search: 3 due, consumed by NO LIVE WORKER"
+    unknown = judge({"d": 5}, None)  # a broker without a control API
+    assert not unknown[0].stranded and "unknown" in describe(unknown[0])
+
+
+def test_the_watch_asks_at_most_every_interval_and_logs_each_change_once(caplog):
+    answers = [
+        [QueueConsumers("search", 3, ())],
+        [QueueConsumers("search", 2, ())],
+        [QueueConsumers("search", 2, ("w@h",))],
+    ]
+    calls = []
+
+    def survey() -> list[QueueConsumers]:
+        calls.append(1)
+        return answers[len(calls) - 1]
+
+    watch = ConsumerWatch(survey, every=0, log_changes=True)
+    caplog.set_level(logging.WARNING)
+    for _ in answers:
+        watch.current()
+    assert [r.getMessage() for r in caplog.records] == [
+        "queue search has 3 due task(s) and no live worker consuming it",
+        "queue search is consumed again (w@h)",
+    ]
+    cached = ConsumerWatch(survey, every=3600)
+    calls.clear()
+    cached.current(), cached.current()
+    assert len(calls) == 1
+
+
+def test_the_gauges_say_which_queue_has_no_consumer():
+    watch = ConsumerWatch(lambda: judge({"ctl": 1, "search": 1}, {"ctl": ["a@h", "b@h"]}))
+    families = {f.name: f for f in ConsumersCollector(watch).collect()}
+    values = {(name, s.labels["queue"]): s.value for name, f in families.items() for s in f.samples}
+    assert values == {
+        ("phorge_bridge_queue_consumers", "ctl"): 2,
+        ("phorge_bridge_queue_consumers", "search"): 0,
+        ("phorge_bridge_queue_without_consumer", "ctl"): 0,
+        ("phorge_bridge_queue_without_consumer", "search"): 1,
+    }
+
+
+def test_staleness_of_the_liveness_file(tmp_path):
+    path = tmp_path / "alive"
+    assert "does not exist" in staleness(path, 30)
+    path.touch()
+    assert staleness(path, 30) is None
+    old = time.time() - 60
+    os.utime(path, (old, old))
+    assert "not consuming" in staleness(path, 30)
