@@ -107,6 +107,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     connect_args.update(kwargs.pop("connect_args", {}))
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("pool_recycle", 3600)
+    # Each thread's LeaseSession holds one connection for the thread's life: a threads
+    # pool of 32 must not wait on a pool of 5 + 10, so overflow is unbounded (it is
+    # bounded by the threads that use the engine).
+    kwargs.setdefault("max_overflow", -1)
     return create_engine(url, connect_args=connect_args, **kwargs)
 
 

@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, Row
-from sqlalchemy.pool import NullPool
 
 from bridge.queue import statements as sql
 from bridge.queue.dialect import is_mysql, make_engine, next_task_ids
@@ -56,7 +55,6 @@ class PhorgeQueue:
         self.engine = engine
         self.attempts = attempts  # tries of a transaction through transient errors
         self._sessions = threading.local()
-        self._session_engine: Engine | None = None
 
     @classmethod
     def from_url(cls, url: str, attempts: int = 5, **kwargs: Any) -> PhorgeQueue:
@@ -71,16 +69,7 @@ class PhorgeQueue:
         """This thread's session for the per-task path (one connection, held)."""
         session = getattr(self._sessions, "session", None)
         if session is None:
-            if self._session_engine is None:
-                # Each thread's session holds its own connection for the thread's life,
-                # outside the pool: a threads pool of 32 must not exhaust a pool of 15.
-                # (SQLite, one file and one writer at a time, keeps its own pool.)
-                url = self.engine.url.render_as_string(hide_password=False)
-                mysql = is_mysql(self.engine)
-                self._session_engine = (
-                    make_engine(url, poolclass=NullPool) if mysql else self.engine
-                )
-            session = LeaseSession(self._session_engine, self._complete_with, self.attempts)
+            session = LeaseSession(self.engine, self._complete_with, self.attempts)
             self._sessions.session = session
         return session
 
@@ -91,8 +80,6 @@ class PhorgeQueue:
             session.close()
             self._sessions.session = None
         self.engine.dispose()
-        if self._session_engine not in (None, self.engine):
-            self._session_engine.dispose()
 
     def _transaction(self, work: Callable[[Connection], T]) -> T:
         """Run ``work`` in one transaction, again after a transient error (``retry``)."""

@@ -9,12 +9,13 @@ could never be queued.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 from bad_rows import corrupt_data
 from sqlalchemy import Engine, select, update
 
-from bridge.queue import NewTask, PhorgeQueue, TaskFilter
+from bridge.queue import NewTask, PhorgeQueue, TaskFilter, make_engine
 from bridge.queue.model import PRIORITY_DEFAULT, new_owner
 from bridge.queue.schema import worker_activetask as active
 
@@ -23,8 +24,11 @@ WORKER = "PhabricatorTestWorker"
 
 
 @pytest.fixture
-def q(mysql_engine: Engine) -> PhorgeQueue:
-    return PhorgeQueue(mysql_engine)
+def q(mysql_engine: Engine) -> Iterator[PhorgeQueue]:
+    """A queue on the product's own engine settings (pool included)."""
+    queue = PhorgeQueue(make_engine(mysql_engine.url.render_as_string(hide_password=False)))
+    yield queue
+    queue.dispose()
 
 
 def test_a_non_utf8_data_row_fails_alone_and_never_stops_the_lease(q):
@@ -100,8 +104,8 @@ def test_a_follow_up_of_a_priority_zero_parent_gets_the_default_priority(q):
 
 
 def test_more_threads_than_the_pool_holds_each_get_a_session(q):
-    """A threads pool of 32 (Conduit calls) must not wait on a connection pool of 15."""
-    count = q.engine.pool.size() + q.engine.pool._max_overflow + 5
+    """A threads pool of 32 (Conduit calls) must not wait on a connection pool of 5 + 10."""
+    count = 25
     q.enqueue_many([NewTask(WORKER, {}) for _ in range(count)])
     tasks = q.lease(count, new_owner(), 300)
     started, results = threading.Barrier(count), []
