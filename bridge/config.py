@@ -37,9 +37,10 @@ T = TypeVar("T")
 
 DATABASE_SCHEMES = ("mysql", "mysql+mysqldb", "mariadb", "mariadb+mysqldb", "sqlite")
 BROKER_SCHEMES = ("amqp", "pyamqp", "amqps", "redis", "rediss", "sqla+sqlite")
-# A queue dispatches at most this many tasks per poll: 200 a second at the default
-# interval, while a backlog a worker cannot start within the dispatch lease stays small.
-DEFAULT_MAX_INFLIGHT = 200
+# Leases a queue holds at once: enough buffer that workers never wait for the next poll
+# (measured: 200 starved four busy children), small enough that a backlog of slow tasks
+# is still started within the dispatch lease (concurrency x lease / duration).
+DEFAULT_MAX_INFLIGHT = 500
 MAX_OWNER_PREFIX = 24  # leaves room for ":pid:time:host:sequence" in varchar(64)
 
 

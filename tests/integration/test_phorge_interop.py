@@ -864,7 +864,8 @@ def shape(row: dict[str, Any], now: int) -> dict[str, Any]:
     return {
         "archived": row["archived"],
         "result": row.get("result"),
-        "duration": None if row.get("duration") is None else row["duration"] > 0,
+        # Recorded, in µs; a no-op PHP run may well measure 0.
+        "duration": row.get("duration") is not None,
         "leaseOwner": owner_kind,
         "leaseExpires": when(row["leaseExpires"]),
         "failureCount": row["failureCount"],

@@ -23,7 +23,7 @@ def test_defaults():
     assert settings.poll_interval == 1.0
     assert (settings.router.rules, settings.router.default_queue) == ((), "phorge")
     assert settings.control_queue == "bridge.control"
-    assert settings.max_inflight == MaxInflight(200, {})
+    assert settings.max_inflight == MaxInflight(500, {})
     assert (settings.dispatch_lease, settings.default_lease) == (300, 7200)
     assert (settings.retry_base, settings.retry_max, settings.retry_jitter) == (15, 3600, 0.2)
     assert settings.report_attempts == 5
@@ -68,7 +68,7 @@ ACCEPTED = [
         "max_inflight",
         MaxInflight(20, {"phorge": 5}),
     ),
-    ("BRIDGE_MAX_INFLIGHT", "phorge=5", "max_inflight", MaxInflight(200, {"phorge": 5})),
+    ("BRIDGE_MAX_INFLIGHT", "phorge=5", "max_inflight", MaxInflight(500, {"phorge": 5})),
     ("BRIDGE_DISPATCH_LEASE", "60", "dispatch_lease", 60),
     ("BRIDGE_DEFAULT_LEASE", "600", "default_lease", 600),
     ("BRIDGE_RETRY_BASE", "1", "retry_base", 1),
