@@ -22,7 +22,9 @@ eval "$(bash $services env)"
 # the tests have had their say.
 lint=0
 $python -m ruff check . || lint=$?
-lint-imports --no-cache || lint=$?
+# import-linter's lint-imports, run by this interpreter (a fresh pyenv may lack its shim).
+$python -c 'import sys; from importlinter.cli import lint_imports_command as lint
+sys.exit(lint())' --no-cache || lint=$?
 status=0
 $python -m pytest "$@" || status=$?
 ((status)) || status=$lint
