@@ -12,6 +12,7 @@ its ``bridge.poll``. ``doctor``, ``stats``, the poller's log and the metrics all
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -115,16 +116,42 @@ class ConsumerWatch:
         self.survey, self.every, self.log_changes = survey, every, log_changes
         self.checked_at: float | None = None
         self.last: list[QueueConsumers] = []
+        self._lock = threading.Lock()
+        self._refreshing = False
 
     def current(self) -> list[QueueConsumers]:
-        now = time.monotonic()
-        if self.checked_at is None or now - self.checked_at >= self.every:
-            self.checked_at = now
-            before = {q.queue for q in self.last if q.stranded}
-            self.last = self.survey()
-            if self.log_changes:
-                self._log(before)
+        """The last answer, refreshed first when it is older than ``every``."""
+        if self._due():
+            self._refresh()
         return self.last
+
+    def refresh_soon(self) -> None:
+        """Refresh on a daemon thread when due, so a poll never waits on the control API
+        (its answers take ``INSPECT_TIMEOUT`` to gather). A failed refresh is logged."""
+        with self._lock:
+            if self._refreshing or not self._due():
+                return
+            self._refreshing = True
+
+        def refresh() -> None:
+            try:
+                self._refresh()
+            except Exception as exc:
+                log.warning("could not check the queues' consumers: %s", exc)
+            finally:
+                self._refreshing = False
+
+        threading.Thread(target=refresh, name="consumer-watch", daemon=True).start()
+
+    def _due(self) -> bool:
+        return self.checked_at is None or time.monotonic() - self.checked_at >= self.every
+
+    def _refresh(self) -> None:
+        self.checked_at = time.monotonic()
+        before = {q.queue for q in self.last if q.stranded}
+        self.last = self.survey()
+        if self.log_changes:
+            self._log(before)
 
     def _log(self, before: set[str]) -> None:
         for status in self.last:

@@ -38,6 +38,8 @@ from bridge.runtime.tracing import (
 
 log = logging.getLogger(__name__)
 
+EXECUTE_TASK = "bridge.execute"
+
 
 @dataclass(frozen=True)
 class Ran:
@@ -224,7 +226,7 @@ def trace_of(request: Any, args: tuple, kwargs: dict) -> TaskTrace:
 
 
 @app.task(
-    name="bridge.execute",
+    name=EXECUTE_TASK,
     bind=True,
     ignore_result=True,
     throws=(TaskNotDone,),

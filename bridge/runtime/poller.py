@@ -13,6 +13,10 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
+from typing import Any
+
+from kombu import Queue
+from kombu.utils.uuid import uuid
 
 from bridge.celery import app
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
@@ -21,6 +25,7 @@ from bridge.queue.model import new_owner
 from bridge.queue.retry import DatabaseUnavailable, is_transient
 from bridge.runtime.consumers import ConsumerWatch, survey
 from bridge.runtime.context import Runtime, runtime
+from bridge.runtime.execute import EXECUTE_TASK
 from bridge.runtime.metrics import DISPATCHED
 from bridge.runtime.tracing import TRACEPARENT_HEADER, TaskTrace, new_traceparent, traced
 
@@ -47,10 +52,39 @@ def plan(rt: Runtime) -> dict[str, list[str]]:
     return by_queue
 
 
+def publish(
+    producer: Any, queue: Queue, args: tuple, kwargs: dict, argsrepr: str, trace: TaskTrace
+) -> None:
+    """Send one ``bridge.execute`` message with Celery's own message builder and sender.
+
+    ``apply_async`` would cost twice as much a message here: it routes, adds the result to
+    the poll's trail and builds an AsyncResult nobody reads. The sender still fires the
+    publish signals and, when Flower asks for them, the task-sent events.
+    """
+    amqp = app.amqp
+    message = amqp.create_task_message(
+        uuid(),
+        EXECUTE_TASK,
+        args,
+        kwargs,
+        create_sent_event=app.conf.task_send_sent_event,
+        ignore_result=True,
+        argsrepr=argsrepr,
+        kwargsrepr="{}",
+    )
+    amqp.send_task_message(
+        producer,
+        EXECUTE_TASK,
+        message,
+        queue=queue,
+        declare=[],
+        retry=False,  # a refusal hands the unsent leases back (dispatch)
+        headers={TRACEPARENT_HEADER: trace.traceparent},
+    )
+
+
 def dispatch(rt: Runtime, tasks: list[Task], queue: str, limit: int) -> int:
     """Send leased rows to their queue; returns how many were sent before any error."""
-    from bridge.runtime.execute import execute
-
     inline_max = rt.settings.inline_data_max
     # The middle of a dispatch that took at least half the capacity asks for the next poll.
     marked = len(tasks) // 2 if len(tasks) >= max(1, limit // 2) else None
@@ -66,17 +100,9 @@ def dispatch(rt: Runtime, tasks: list[Task], queue: str, limit: int) -> int:
             if index == marked:
                 kwargs["repoll"] = True
             trace = TaskTrace(task.id, task.taskClass, task.leaseOwner, new_traceparent())
+            args = (task.id, task.leaseOwner, task.failureCount)
             try:
-                execute.apply_async(
-                    args=(task.id, task.leaseOwner, task.failureCount),
-                    kwargs=kwargs,
-                    queue=target,
-                    producer=producer,
-                    declare=[],
-                    argsrepr=repr((task.label,)),
-                    kwargsrepr="{}",
-                    headers={TRACEPARENT_HEADER: trace.traceparent},
-                )
+                publish(producer, target, args, kwargs, repr((task.label,)), trace)
             except Exception as exc:
                 log.error("dispatch to %s failed after %d of %d: %s", queue, index, len(tasks), exc)
                 return index
@@ -119,8 +145,8 @@ _watches: dict[int, ConsumerWatch] = {}
 def watch_consumers(rt: Runtime) -> None:
     """Log queues left with due rows and no consumer, once per change (per process).
 
-    The control API is asked at most every ``ConsumerWatch.every`` seconds (it costs up
-    to ``INSPECT_TIMEOUT``); a failure to ask never fails the poll.
+    The control API is asked at most every ``ConsumerWatch.every`` seconds, on a thread
+    of its own: the poll goes on at once, and a failure to ask never fails it.
     """
     pid = os.getpid()
     if pid not in _watches:
@@ -128,10 +154,7 @@ def watch_consumers(rt: Runtime) -> None:
         _watches[pid] = ConsumerWatch(
             lambda: survey(app, rt.queue.stats(), rt.registry, rt.settings), log_changes=True
         )
-    try:
-        _watches[pid].current()
-    except Exception as exc:
-        log.warning("could not check the queues' consumers: %s", exc)
+    _watches[pid].refresh_soon()
 
 
 @app.task(name="bridge.poll", acks_late=False, ignore_result=True)

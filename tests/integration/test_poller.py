@@ -25,8 +25,8 @@ from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
 from bridge.queue.model import NewTask, TaskFilter, lease_epoch, new_owner
 from bridge.queue.schema import worker_activetask as active
+from bridge.runtime import poller
 from bridge.runtime.context import Runtime
-from bridge.runtime.execute import execute
 from bridge.runtime.poller import poll_once
 
 pytestmark = pytest.mark.mariadb
@@ -59,22 +59,21 @@ def sent(monkeypatch) -> list[Message]:
     """The bridge.execute messages polls send, in order."""
     messages: list[Message] = []
 
-    def apply_async(args, kwargs, queue, argsrepr, kwargsrepr, producer, **options) -> None:
-        assert kwargsrepr == "{}"
+    def publish(producer, queue, args, kwargs, argsrepr, trace) -> None:
         # Every message carries a trace context of its own for the execution to keep.
-        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", options["headers"]["traceparent"])
+        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", trace.traceparent)
         messages.append(
             Message(
                 *args,
                 kwargs.get("data"),
                 kwargs["taskClass"],
-                getattr(queue, "name", queue),
+                queue.name,
                 argsrepr,
                 kwargs.get("repoll", False),
             )
         )
 
-    monkeypatch.setattr(execute._get_current_object(), "apply_async", apply_async)
+    monkeypatch.setattr(poller, "publish", publish)
     return messages
 
 
@@ -235,12 +234,12 @@ def test_a_broker_refusal_hands_back_the_unsent_leases(make_runtime, monkeypatch
     ids = enqueue(rt, FAST, count=3)
     sent_ids = []
 
-    def refuse_after_one(args, **_options) -> None:
+    def refuse_after_one(producer, queue, args, *_rest) -> None:
         if sent_ids:
             raise ConnectionError("broker went away")
         sent_ids.append(args[0])
 
-    monkeypatch.setattr(execute._get_current_object(), "apply_async", refuse_after_one)
+    monkeypatch.setattr(poller, "publish", refuse_after_one)
     assert poll_once(rt) == 1
     owners = {t.id: t.leaseOwner for t in rt.queue.list(TaskFilter(ids=ids))}
     assert owners[sent_ids[0]] is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from bridge.config import load_settings
@@ -72,6 +73,37 @@ def test_the_watch_asks_at_most_every_interval_and_logs_each_change_once(caplog)
     calls.clear()
     cached.current(), cached.current()
     assert len(calls) == 1
+
+
+def test_a_poll_does_not_wait_for_the_control_api_and_a_failed_ask_is_logged(caplog):
+    """The poller's refresh runs on a thread: the caller returns while workers answer."""
+    release, asked = threading.Event(), threading.Event()
+
+    def slow_survey() -> list[QueueConsumers]:
+        asked.set()
+        assert release.wait(10)
+        return [QueueConsumers("search", 3, ())]
+
+    watch = ConsumerWatch(slow_survey, every=0, log_changes=True)
+    caplog.set_level(logging.WARNING)
+    watch.refresh_soon()
+    assert asked.wait(10)
+    watch.refresh_soon()  # one refresh at a time: this one is dropped, not queued
+    assert watch.last == []  # the caller did not wait for the answer
+    release.set()
+    for thread in [t for t in threading.enumerate() if t.name == "consumer-watch"]:
+        thread.join(10)
+    assert watch.last == [QueueConsumers("search", 3, ())]
+    assert "queue search has 3 due task(s)" in caplog.text
+
+    def broken() -> list[QueueConsumers]:
+        raise ConnectionError("broker down")
+
+    failing = ConsumerWatch(broken, every=0)
+    failing.refresh_soon()
+    for thread in [t for t in threading.enumerate() if t.name == "consumer-watch"]:
+        thread.join(10)
+    assert "could not check the queues' consumers: broker down" in caplog.text
 
 
 def test_the_gauges_say_which_queue_has_no_consumer():
