@@ -26,6 +26,8 @@ class Sizes:
     prefork: tuple[int, ...] = (1, 2, 4)
     # 10 ms tasks wait more than they compute: 4 processes cap them near 4 x 1000 / 10.
     sleep10_prefork: tuple[int, ...] = (1, 2, 4, 16)
+    # No pipes to the children: what the threads pool saves on the shortest tasks.
+    noop_threads: tuple[int, ...] = (4,)
     threads: tuple[int, ...] = (8, 16, 32)
     taskmasters: tuple[int, ...] = (1, 2)
     ceiling_concurrency: int = 4
@@ -40,6 +42,7 @@ QUICK = Sizes(
     light=10,
     prefork=(2,),
     sleep10_prefork=(2,),
+    noop_threads=(),
     threads=(16,),
     taskmasters=(1,),
 )
@@ -70,6 +73,7 @@ def workloads(sizes: Sizes) -> list[tuple[Workload, int, str, tuple[int, ...]]]:
     """(workload, tasks, bridge pool, bridge concurrencies)."""
     return [
         (NOOP, sizes.noop, "prefork", sizes.prefork),
+        (NOOP, sizes.noop, "threads", sizes.noop_threads),
         (SLEEP10, sizes.sleep10, "prefork", sizes.sleep10_prefork),
         (IO50, sizes.io50, "threads", sizes.threads),
     ]
@@ -91,9 +95,11 @@ def references(kind: str, sizes: Sizes) -> list[Scenario]:
 def bridge(sizes: Sizes) -> list[Scenario]:
     found = []
     for settings in ("default", "tuned"):
+        sampled = set()  # light-load latency: once per workload, at its first deployment
         for workload, tasks, pool, concurrencies in workloads(sizes):
             for n in concurrencies:
-                light = sizes.light if n == concurrencies[0] else 0
+                light = 0 if workload.key in sampled else sizes.light
+                sampled.add(workload.key)
                 letter = "t" if pool == "threads" else "c"
                 name = f"bridge-{settings}-{workload.key}-{letter}{n}"
                 found.append(Scenario(name, "bridge", workload, tasks, light, settings, pool, n))
