@@ -39,23 +39,28 @@ from bridge.queue.schema import worker_archivetask as archive
 from bridge.queue.schema import worker_taskdata as taskdata
 
 T = TypeVar("T")
+B = TypeVar("B", bound="Bridge")
 PLUGIN = Path(__file__).with_name("recording_handlers.py")
+RUN_RECORD = Path(__file__).parents[1] / "helpers" / "run_record.py"
 READY_TIMEOUT = 30.0
 LOG_TAIL = 40  # lines of each process log shown when a wait fails
 
 
-def write_plugin(directory: Path) -> Path:
-    """A directory for PYTHONPATH holding the recording handler and its distribution."""
+def write_plugin(
+    directory: Path,
+    handlers: Path = PLUGIN,
+    entry_point: str = "RecordingTestWorker = recording_handlers:RecordingTestWorker",
+    extra: tuple[Path, ...] = (),
+) -> Path:
+    """A directory for PYTHONPATH: a handler module, what it imports, and a distribution
+    registering it in ``phorge_bridge.handlers``, as a third-party package would."""
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copy(PLUGIN, directory / PLUGIN.name)
-    dist = directory / "phorge_bridge_test_handlers-0.dist-info"
+    for source in (handlers, RUN_RECORD, *extra):
+        shutil.copy(source, directory / source.name)
+    dist = directory / f"{handlers.stem}-0.dist-info"
     dist.mkdir(exist_ok=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: phorge-bridge-test-handlers\nVersion: 0\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        f"[phorge_bridge.handlers]\nRecordingTestWorker = {PLUGIN.stem}:RecordingTestWorker\n"
-    )
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {handlers.stem}\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text(f"[phorge_bridge.handlers]\n{entry_point}\n")
     return directory
 
 
@@ -366,13 +371,16 @@ class Bridge:
 
 
 @contextmanager
-def _bridges(directory: Path) -> Iterator[Callable[..., Bridge]]:
-    bridges: list[Bridge] = []
+def deployments(directory: Path, kind: type[B]) -> Iterator[Callable[..., B]]:
+    """``make(database_url, broker_url, **settings)`` building ``kind`` deployments in
+    ``directory``, all stopped on the way out."""
+    bridges: list[B] = []
 
-    def make(database_url: str, broker_url: str, **settings: str) -> Bridge:
-        bridge = Bridge(directory / f"bridge{len(bridges)}", database_url, broker_url, **settings)
-        bridges.append(bridge)
-        return bridge
+    def make(database_url: str, broker_url: str, **settings: str) -> B:
+        bridges.append(
+            kind(directory / f"bridge{len(bridges)}", database_url, broker_url, **settings)
+        )
+        return bridges[-1]
 
     try:
         yield make
@@ -388,14 +396,14 @@ def make_bridge(tmp_path: Path) -> Iterator[Callable[..., Bridge]]:
     ``make_bridge(database_url, broker_url, POLL_INTERVAL="0.5", ...)``: keyword
     arguments are ``BRIDGE_*`` settings without the prefix.
     """
-    with _bridges(tmp_path) as make:
+    with deployments(tmp_path, Bridge) as make:
         yield make
 
 
 @pytest.fixture(scope="module")
 def make_module_bridge(tmp_path_factory) -> Iterator[Callable[..., Bridge]]:
     """``make_bridge`` for a deployment that serves every test of a module."""
-    with _bridges(tmp_path_factory.mktemp("module")) as make:
+    with deployments(tmp_path_factory.mktemp("module"), Bridge) as make:
         yield make
 
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
+
+import run_record
 
 from bridge.handlers.api import TaskContext, Yield
 from bridge.handlers.phabricator import PhabricatorTestWorker
@@ -32,25 +33,14 @@ def runs_so_far(task_id: int) -> int:
 
 
 def record(event: str, task: TaskContext) -> None:
-    line = json.dumps(
+    run_record.append(
         {
             "event": event,
             "id": task.id,
             "taskClass": task.task_class,
             "failureCount": task.failure_count,
-            "worker": os.environ.get("PHORGE_BRIDGE_TEST_WORKER", "?"),
-            "pid": os.getpid(),
-            "time": time.time(),
         }
     )
-    # One write of a short line to an O_APPEND file: lines of concurrent runs never mix.
-    fd = os.open(
-        os.environ["PHORGE_BRIDGE_TEST_RECORD_FILE"], os.O_WRONLY | os.O_APPEND | os.O_CREAT
-    )
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 class RecordingTestWorker(PhabricatorTestWorker):

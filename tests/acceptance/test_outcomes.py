@@ -69,9 +69,15 @@ def followup(scenario_suffix: str, parent: str, n: int, **options) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=["rabbitmq", "redis"])
+@pytest.fixture(
+    scope="module",
+    # The threads pool (docs/operations.md recommends it for work that waits) once.
+    params=[("rabbitmq", "prefork"), ("redis", "prefork"), ("rabbitmq", "threads")],
+    ids="-".join,
+)
 def scenario(request, make_module_bridge, module_database_url) -> Iterator[Scenario]:
-    broker_url = request.getfixturevalue("amqp_url" if request.param == "rabbitmq" else "redis_url")
+    broker, pool = request.param
+    broker_url = request.getfixturevalue("amqp_url" if broker == "rabbitmq" else "redis_url")
     bridge = make_module_bridge(module_database_url, broker_url, **SETTINGS)
     s = Scenario(bridge)
     suffix = bridge.suffix
@@ -102,7 +108,9 @@ def scenario(request, make_module_bridge, module_database_url) -> Iterator[Scena
     s.add("long", "RecordedA", {"duration": LONG_TASK_SECONDS})
 
     queues = [bridge.default_queue]
-    workers = [bridge.worker(f"worker-{n}", queues, concurrency=2) for n in (1, 2)]
+    workers = [
+        bridge.worker(f"worker-{n}", queues, concurrency=2, extra=("-P", pool)) for n in (1, 2)
+    ]
     workers.append(bridge.worker("poller", [bridge.control_queue]))
     bridge.beat()
     bridge.wait_ready(*workers)

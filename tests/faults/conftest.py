@@ -16,7 +16,6 @@ stalled and how soon it moved again after the fault ended.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -226,28 +225,17 @@ def module_fault_database(fault_mariadb: PrivateMariaDB) -> Iterator[str]:
 # -- the bridge under test -------------------------------------------------------------------
 
 
-def write_fault_plugin(directory: Path) -> Path:
-    """``fault_handlers`` with its entry point, and the wall-clock shim, for PYTHONPATH."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for name in ("fault_handlers.py", "sitecustomize.py"):
-        shutil.copy(HERE / name, directory / name)
-    dist = directory / "phorge_bridge_fault_handlers-0.dist-info"
-    dist.mkdir(exist_ok=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: phorge-bridge-fault-handlers\nVersion: 0\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        "[phorge_bridge.handlers]\nFaultTask = fault_handlers:FaultTask\n"
-    )
-    return directory
-
-
 class FaultBridge(harness.Bridge):
     """The acceptance ``Bridge`` with ``FaultTask`` and per-process wall-clock offsets."""
 
     def __init__(self, directory: Path, database_url: str, broker_url: str, **settings: str):
         super().__init__(directory, database_url, broker_url, **{**SETTINGS, **settings})
-        self.fault_plugin = write_fault_plugin(directory / "faultplugin")
+        self.fault_plugin = harness.write_plugin(
+            directory / "faultplugin",
+            HERE / "fault_handlers.py",
+            "FaultTask = fault_handlers:FaultTask",
+            extra=(HERE / "sitecustomize.py",),  # the wall-clock shim
+        )
         self.clock_offsets: dict[str, float] = {}
 
     def environ(self, worker_name: str) -> dict[str, str]:
@@ -271,33 +259,17 @@ class FaultBridge(harness.Bridge):
         return [r for r in self.runs() if "owner" in r]
 
 
-@contextmanager
-def _bridges(directory: Path) -> Iterator[Callable[..., FaultBridge]]:
-    bridges: list[FaultBridge] = []
-
-    def make(database_url: str, broker_url: str, **settings: str) -> FaultBridge:
-        path = directory / f"bridge{len(bridges)}"
-        bridges.append(FaultBridge(path, database_url, broker_url, **settings))
-        return bridges[-1]
-
-    try:
-        yield make
-    finally:
-        for bridge in bridges:
-            bridge.stop()
-
-
 @pytest.fixture
 def make_fault_bridge(tmp_path: Path) -> Iterator[Callable[..., FaultBridge]]:
     """A factory of :class:`FaultBridge` deployments, all stopped at teardown."""
-    with _bridges(tmp_path) as make:
+    with harness.deployments(tmp_path, FaultBridge) as make:
         yield make
 
 
 @pytest.fixture(scope="module")
 def make_module_fault_bridge(tmp_path_factory) -> Iterator[Callable[..., FaultBridge]]:
     """``make_fault_bridge`` for a deployment serving every test of a module."""
-    with _bridges(tmp_path_factory.mktemp("faults")) as make:
+    with harness.deployments(tmp_path_factory.mktemp("faults"), FaultBridge) as make:
         yield make
 
 

@@ -9,10 +9,9 @@ worker is killed a moment later. Data keys: ``duration`` (seconds to sleep) and
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
+import run_record
 from celery import current_task
 
 from bridge.handlers.api import Handler, TaskContext
@@ -20,25 +19,9 @@ from bridge.handlers.api import Handler, TaskContext
 
 def record(task: TaskContext) -> None:
     task_id, owner, failure_count = current_task.request.args[:3]
-    line = json.dumps(
-        {
-            "event": "start",
-            "id": task_id,
-            "owner": owner,
-            "failureCount": failure_count,
-            "worker": os.environ.get("PHORGE_BRIDGE_TEST_WORKER", "?"),
-            "pid": os.getpid(),
-            "time": time.time(),  # this host's clock, shifted in the clock-skew scenarios
-        }
+    run_record.append(
+        {"event": "start", "id": task_id, "owner": owner, "failureCount": failure_count}
     )
-    # One short write to an O_APPEND file: concurrent runs' lines never mix.
-    fd = os.open(
-        os.environ["PHORGE_BRIDGE_TEST_RECORD_FILE"], os.O_WRONLY | os.O_APPEND | os.O_CREAT
-    )
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 class FaultTask(Handler):
