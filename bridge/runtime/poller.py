@@ -59,7 +59,7 @@ def publish(
 
     ``apply_async`` would cost twice as much a message here: it routes, adds the result to
     the poll's trail and builds an AsyncResult nobody reads. The sender still fires the
-    publish signals and, when Flower asks for them, the task-sent events.
+    publish signals and, with ``BRIDGE_TASK_EVENTS``, the task-sent events.
     """
     amqp = app.amqp
     message = amqp.create_task_message(
