@@ -49,6 +49,9 @@ def _service_url(variable: str) -> str:
     return url
 
 
+LONG_FAULT_TIMEOUT = 1800  # seconds a long variant may take (10 broker restarts, 30,000 tasks)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     # Here, not in tests/faults/conftest.py: pytest reads options before it collects there.
     parser.addoption(
@@ -58,11 +61,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    long_faults = config.getoption("--long-faults")
     for item in items:
         for fixture, marker in _SERVICE_MARKERS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
+        if long_faults and "faults" in item.path.parts:
+            # The long variants outgrow the suite's per-test timeout (pyproject.toml).
+            item.add_marker(pytest.mark.timeout(LONG_FAULT_TIMEOUT))
 
 
 @pytest.fixture(scope="session")

@@ -73,8 +73,11 @@ class PrivateBroker:
     def restart(self, down: float) -> float:
         """Stop, stay down ``down`` seconds, start; returns when it accepts clients again."""
         self.stop()
-        time.sleep(down)  # the outage itself, not a synchronisation
-        self.start()
+        try:
+            time.sleep(down)  # the outage itself, not a synchronisation
+        finally:
+            # Also when a timeout interrupts the outage: the next test needs the broker.
+            self.start()
         return time.monotonic()
 
 
