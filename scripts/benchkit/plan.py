@@ -24,7 +24,8 @@ class Sizes:
     ceiling: int = 4000
     light: int = 30
     prefork: tuple[int, ...] = (1, 2, 4)
-    # 10 ms tasks wait more than they compute: 4 processes cap them near 4 x 1000 / 10.
+    # 10 ms tasks wait more than they compute: 4 processes cap them near 4 x 1000 / 15
+    # (the sleep, the check, the durable commit and Celery's gap between tasks).
     sleep10_prefork: tuple[int, ...] = (1, 2, 4, 16)
     # No pipes to the children: what the threads pool saves on the shortest tasks.
     noop_threads: tuple[int, ...] = (4,)
