@@ -206,7 +206,7 @@ class Settings:
         "Celery broker: `amqp://`, `redis://` or the server-less `sqla+sqlite://`",
     )
     poll_interval: float = setting(
-        "BRIDGE_POLL_INTERVAL", "1", _seconds, "seconds between two polls of the queue"
+        "BRIDGE_POLL_INTERVAL", "0.25", _seconds, "seconds between two polls of the queue"
     )
     routes: tuple[Rule, ...] = setting(
         "BRIDGE_ROUTES",

@@ -40,13 +40,16 @@ task_default_queue = _settings.router.default_queue
 task_routes = {"bridge.poll": {"queue": _settings.control_queue}}
 # The schedule is one interval: nothing worth a file, so beat keeps it in memory and
 # leaves no celerybeat-schedule behind.
-beat_scheduler = "celery.beat:Scheduler"
+beat_scheduler = "bridge.runtime.beat:PollScheduler"
 beat_schedule = {
     "poll-phorge-queue": {
         "task": "bridge.poll",
-        # No expiry: it would compare the beat host's clock with the worker's. A stale
-        # poll costs one lock attempt (bridge.runtime.poller).
         "schedule": _settings.poll_interval,
+        # RabbitMQ drops a poll that waited ten intervals (newer ones wait behind it), so a
+        # worker back from an outage does not work through hours of polls. A TTL the
+        # broker keeps, not Celery's `expires`, which compares the beat host's clock with
+        # the worker's. Redis ignores it: there a stale poll costs one poll.
+        "options": {"expiration": 10 * _settings.poll_interval},
     }
 }
 

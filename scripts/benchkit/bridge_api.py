@@ -19,7 +19,7 @@ from dataclasses import dataclass
 CELERY_APP = "bridge"  # celery -A bridge
 EXECUTE_TASK = "bridge.execute"  # its first argument is the Phorge task id
 POLL_TASK = "bridge.poll"
-DEFAULT_POLL_INTERVAL = "1"  # BRIDGE_POLL_INTERVAL's default (README, "Settings")
+DEFAULT_POLL_INTERVAL = "0.25"  # BRIDGE_POLL_INTERVAL's default (README, "Settings")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ def test_defaults():
     settings = load_settings({})
     assert settings.database_url == "sqlite:///phorge-bridge.db"
     assert settings.broker_url == "sqla+sqlite:///phorge-bridge-broker.db"
-    assert settings.poll_interval == 1.0
+    assert settings.poll_interval == 0.25
     assert (settings.router.rules, settings.router.default_queue) == ((), "phorge")
     assert settings.control_queue == "bridge.control"
     assert settings.max_inflight == MaxInflight(500, {})
@@ -52,7 +52,7 @@ ACCEPTED = [
     ("BRIDGE_DATABASE_URL", "sqlite:////var/lib/bridge/phorge.db", "database_url", None),
     ("BRIDGE_BROKER_URL", "amqp://guest:guest@rabbit:5672//", "broker_url", None),
     ("BRIDGE_BROKER_URL", "rediss://redis:6380/3", "broker_url", None),
-    ("BRIDGE_POLL_INTERVAL", "0.25", "poll_interval", 0.25),
+    ("BRIDGE_POLL_INTERVAL", "2.5", "poll_interval", 2.5),
     (
         "BRIDGE_ROUTES",
         "PhabricatorSearchWorker=search, *Mail*=mail,",

@@ -1,0 +1,38 @@
+"""Beat's scheduler sleeps until the poll is due instead of spinning for it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from celery import Celery
+from celery.beat import Scheduler
+from celery.schedules import schedule
+
+from bridge.runtime.beat import PollScheduler
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+INTERVAL = timedelta(seconds=0.25)
+DUE_IN = 0.005  # seconds: inside the 10 ms Celery's scheduler spins through
+
+
+def delay_before_due(scheduler_class: type[Scheduler]) -> float:
+    """What one tick returns when the poll is due in ``DUE_IN`` seconds."""
+    app = Celery(set_as_current=False)
+    scheduler = scheduler_class(app, lazy=True)
+    scheduler.schedule["poll"] = scheduler.Entry(
+        name="poll",
+        task="bridge.poll",
+        schedule=schedule(INTERVAL, nowfun=lambda: NOW, app=app),
+        last_run_at=NOW - INTERVAL + timedelta(seconds=DUE_IN),
+        app=app,
+    )
+    return scheduler.tick()
+
+
+def test_a_poll_not_yet_due_is_slept_for():
+    assert delay_before_due(PollScheduler) == DUE_IN
+
+
+def test_celerys_scheduler_would_tick_again_without_sleeping():
+    # The reason PollScheduler exists: beat sleeps only on a positive delay.
+    assert delay_before_due(Scheduler) <= 0
