@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_result
-from sqlalchemy import Engine, update
+from sqlalchemy import Engine, event, update
 
 from bridge.config import load_settings
 from bridge.handlers.api import Handler, TaskContext
@@ -263,6 +263,20 @@ def test_a_poll_overlapping_another_dispatches_nothing(make_runtime, sent):
     with rt.queue.poll_lock(rt.settings.owner_prefix):
         assert poll_once(rt) == 0
     assert poll_once(rt) == 3
+
+
+def test_a_poll_of_an_empty_queue_sends_only_the_lock_and_the_class_read(make_runtime, sent):
+    # Beat polls four times a second by default: the idle load is this poll's cost.
+    rt = make_runtime()
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *_: Any) -> None:
+        statements.append(statement.split()[1].split("(")[0].lower())
+
+    event.listen(rt.queue.engine, "before_cursor_execute", record)
+    assert poll_once(rt) == 0
+    assert statements == ["get_lock", "distinct", "release_lock"]
+    assert sent == []
 
 
 def test_lease_owners_carry_the_database_clock(make_runtime, sent, monkeypatch):
