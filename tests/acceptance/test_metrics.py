@@ -86,9 +86,10 @@ def test_workers_on_one_host_take_ports_of_a_range_and_a_clash_is_one_line(
 
     def serving(p: int) -> bool:
         try:
-            return "phorge_bridge_queue_tasks" in requests.get(
-                f"http://127.0.0.1:{p}/metrics", timeout=5
-            ).text
+            return (
+                "phorge_bridge_queue_tasks"
+                in requests.get(f"http://127.0.0.1:{p}/metrics", timeout=5).text
+            )
         except requests.ConnectionError:
             return False
 
