@@ -119,7 +119,7 @@ def poll_once(rt: Runtime) -> int:
         if now is None:
             return 0
         by_queue = plan(rt)
-        # An idle queue (the usual case between bursts) costs two statements, not three.
+        # An idle queue (the usual case between bursts) skips the capacity count.
         held = rt.queue.held_by_class(settings.owner_prefix) if by_queue else {}
         sent = 0
         for queue, classes in by_queue.items():
