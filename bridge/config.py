@@ -278,6 +278,13 @@ class Settings:
         _positive_int,
         "task data up to this many bytes travels inside the Celery message",
     )
+    batch_max: int = setting(
+        "BRIDGE_BATCH_MAX",
+        "16",
+        _positive_int,
+        "most tasks one Celery message carries when a poll leases a backlog "
+        "(`1`: a message per task)",
+    )
     task_events: bool = setting(
         "BRIDGE_TASK_EVENTS",
         "false",

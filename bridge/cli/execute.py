@@ -79,7 +79,8 @@ def execute_tasks(
         held = leased[0]
         trace = TaskTrace(held.id, held.taskClass, owner, new_traceparent())
         with traced(trace):
-            ran = run_task(rt, Lease(held.id, owner, held.failureCount), None, trace.traceparent)
+            lease = Lease(held.id, owner, held.failureCount)
+            ran = run_task(rt, lease, None, trace.traceparent, held.taskClass)
         echo(f"{ran.describe(held.label)} [traceparent={trace.traceparent}]")
         all_done = all_done and ran.outcome is Outcome.SUCCESS
     return all_done

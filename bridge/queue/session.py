@@ -5,9 +5,10 @@ statements compiled once per dialect and sent through the driver with positional
 parameters; one connection held for the process (no pool checkout, ping or rollback per
 task); the check before a run is one read; an outcome is one transaction sent in one
 round trip on MariaDB/MySQL (``START TRANSACTION; ...; COMMIT`` as one multi-statement
-query). Every write is fenced by ``model.Lease``; ``False`` means the fence no longer
-held and nothing was written. Transient errors drop the connection (the server rolls
-back whatever was open) and are retried by ``retry.retrying``.
+query), and in a batch it shares that round trip with the next task's check. Every
+write is fenced by ``model.Lease``; ``False`` means the fence no longer held and nothing
+was written. Transient errors drop the connection (the server rolls back whatever was
+open) and are retried by ``retry.retrying``.
 
 Not thread-safe: one session per thread.
 """
@@ -49,6 +50,39 @@ class Compiled(NamedTuple):
 
     def params(self, values: dict[str, Any]) -> tuple[Any, ...]:
         return tuple(values[n] if n in values else self.defaults[n] for n in self.names)
+
+
+class Write(NamedTuple):
+    """One task's guarded outcome (or renewal): its statements, and whether the row
+    counts they return mean its fence held."""
+
+    steps: list[tuple[ClauseElement, dict[str, Any]]]
+    archive: bool = False
+
+    @classmethod
+    def guarded(cls, statement: ClauseElement, values: dict[str, Any]) -> Write:
+        """One guarded UPDATE: held when it changed the row."""
+        return cls([(statement, values)])
+
+    @classmethod
+    def archiving(cls, lease: Lease, result: int, duration_us: int) -> Write:
+        """The archive insert (locking the active row) and the active row's delete."""
+        fence = _fence(lease)
+        return cls(
+            [
+                (sql.ARCHIVE, {**fence, "result": result, "duration": duration_us}),
+                (sql.DELETE_ARCHIVED_ACTIVE, fence),
+            ],
+            archive=True,
+        )
+
+    def held(self, counts: Sequence[int]) -> bool:
+        if not self.archive:
+            return counts[0] == 1
+        inserted, deleted = counts
+        if inserted != deleted:  # the row lock makes this impossible; say so if it is not
+            log.error("task %s: archived %d, removed %d", self.steps[0][1]["task_id"], *counts)
+        return inserted == 1
 
 
 class LeaseSession:
@@ -119,95 +153,150 @@ class LeaseSession:
         except Exception:
             self._drop()
 
-    def _transaction(self, steps: Sequence[tuple[ClauseElement, dict[str, Any]]]):
-        """Run ``steps`` in one transaction; returns each one's row count."""
+    def _script(
+        self,
+        what: str,
+        steps: Sequence[tuple[ClauseElement, dict[str, Any]]],
+        read: tuple[ClauseElement, dict[str, Any]] | None = None,
+    ) -> tuple[list[int], Task | None]:
+        """``steps`` in one transaction, then ``read`` (one row, after the commit), in one
+        round trip on MariaDB; returns each step's row count and the row read."""
 
-        def work(cursor) -> list[int]:
+        def work(cursor) -> tuple[list[int], Task | None]:
             compiled = [(self._compile(statement), values) for statement, values in steps]
+            query = (self._compile(read[0]), read[1]) if read is not None else None
             if not self._mysql:
-                cursor.execute("BEGIN IMMEDIATE")
                 counts = []
-                for c, values in compiled:
-                    cursor.execute(c.sql, c.params(values))
-                    counts.append(cursor.rowcount)
-                cursor.execute("COMMIT")
-                return counts
-            script = ";".join(["START TRANSACTION", *(c.sql for c, _ in compiled), "COMMIT"])
-            params = tuple(p for c, values in compiled for p in c.params(values))
-            cursor.execute(script, params)
+                if compiled:
+                    cursor.execute("BEGIN IMMEDIATE")
+                    for c, values in compiled:
+                        cursor.execute(c.sql, c.params(values))
+                        counts.append(cursor.rowcount)
+                    cursor.execute("COMMIT")
+                if query is None:
+                    return counts, None
+                cursor.execute(query[0].sql, query[0].params(query[1]))
+                return counts, _task(cursor)
+            parts = [c.sql for c, _ in compiled]
+            if parts:
+                parts = ["START TRANSACTION", *parts, "COMMIT"]
+            params = [p for c, values in compiled for p in c.params(values)]
+            if query is not None:
+                parts.append(query[0].sql)
+                params.extend(query[0].params(query[1]))
+            cursor.execute(";".join(parts), tuple(params))
             counts = []
-            while cursor.nextset():
+            for _ in compiled:
+                cursor.nextset()  # past START TRANSACTION, then each step
                 counts.append(cursor.rowcount)
-            return counts[: len(steps)]
+            if compiled and query is not None:
+                cursor.nextset()  # past COMMIT
+                cursor.nextset()
+            task = _task(cursor) if query is not None else None
+            while cursor.nextset():
+                pass
+            return counts, task
 
-        return self._run("transaction", work)
+        try:
+            return self._run(what, work)
+        finally:
+            if read is not None and not self._mysql:
+                self._dbapi().rollback()  # end SQLite's implicit read
 
-    def _write(self, statement: ClauseElement, values: dict[str, Any]) -> bool:
-        """One guarded statement in its own (autocommitted) transaction: did it hold?"""
-        return self._transaction([(statement, values)])[0] == 1
+    def apply(self, writes: Sequence[Write]) -> list[bool]:
+        """Write ``writes`` in one transaction (one round trip, one commit); returns
+        whether each one's fence held. A lost fence writes nothing for its task alone."""
+        counts, _ = self._script("outcome", [step for write in writes for step in write.steps])
+        return _held(writes, counts)
 
     # -- the per-task path ------------------------------------------------------------
 
     def held(self, lease: Lease, with_data: bool = True) -> Task | None:
         """The task if ``lease`` still holds right now (a read, no write)."""
+        return self.write_then_check((), lease, with_data)[1]
+
+    def write_then_check(
+        self, writes: Sequence[Write], lease: Lease, with_data: bool = True
+    ) -> tuple[list[bool], Task | None]:
+        """Write the outcomes of the tasks run before (committed first), then check the
+        next task's lease, in one round trip: a batch's tasks cost one round trip each."""
         statement = sql.HELD_WITH_DATA if with_data else sql.HELD
-        compiled = self._compile(statement)
-
-        def work(cursor) -> Task | None:
-            cursor.execute(compiled.sql, compiled.params(_fence(lease)))
-            row = cursor.fetchone()
-            if row is None:
-                return None
-            names = [column[0] for column in cursor.description]
-            return task_from_row(dict(zip(names, row, strict=True)))
-
-        result = self._run(f"task {lease.task_id}", work)
-        if not self._mysql:
-            self._dbapi().rollback()  # end SQLite's implicit read
-        return result
+        counts, task = self._script(
+            f"task {lease.task_id}",
+            [step for write in writes for step in write.steps],
+            (statement, _fence(lease)),
+        )
+        return _held(writes, counts), task
 
     def renew(self, lease: Lease, seconds: int) -> bool:
         """Extend a held lease to now + ``seconds`` (claim, heartbeat)."""
         check_seconds("lease seconds", seconds, minimum=1)
-        return self._write(sql.RENEW_LEASE, {**_fence(lease), "seconds": seconds})
+        renewal = Write.guarded(sql.RENEW_LEASE, {**_fence(lease), "seconds": seconds})
+        return self.apply([renewal])[0]
 
     def complete(self, lease: Lease, duration_us: int, followups: Sequence[NewTask] = ()) -> bool:
         """Archive with result 0, with the follow-ups in the same transaction."""
-        check_seconds("duration", duration_us, maximum=MAX_UINT64)
         if followups:
+            check_seconds("duration", duration_us, maximum=MAX_UINT64)
             return self._write_followups(lease, duration_us, followups)
-        return self._archive(lease, RESULT_SUCCESS, duration_us)
+        return self.apply([success(lease, duration_us)])[0]
 
     def fail_permanent(self, lease: Lease) -> bool:
-        """Archive with result 1 and duration 0."""
-        return self._archive(lease, RESULT_FAILURE, 0)
-
-    def _archive(self, lease: Lease, result: int, duration_us: int) -> bool:
-        fence = _fence(lease)
-        inserted, deleted = self._transaction(
-            [
-                (sql.ARCHIVE, {**fence, "result": result, "duration": duration_us}),
-                (sql.DELETE_ARCHIVED_ACTIVE, fence),
-            ]
-        )
-        if inserted != deleted:  # the row lock makes this impossible; say so if it is not
-            log.error("task %d: archived %d, removed %d", lease.task_id, inserted, deleted)
-        return inserted == 1
+        return self.apply([permanent_failure(lease)])[0]
 
     def fail_temporary(self, lease: Lease, wait: int) -> bool:
-        """Count a failure and hold the task back ``wait`` seconds; the owner stays.
-
-        A negative wait is Phorge's too (its tests use -60): the lease then expired
-        ``-wait`` seconds ago, so the task is due at once, behind older expiries."""
-        check_seconds("retry wait", wait, minimum=-MAX_UINT32)
-        return self._write(sql.FAIL_TEMPORARY, {**_fence(lease), "wait": wait})
+        return self.apply([temporary_failure(lease, wait)])[0]
 
     def yield_(self, lease: Lease, seconds: int) -> bool:
-        """Give the task back for at least 5 seconds without counting a failure
-        (shorter yields, negative ones included, last 5 seconds, as in Phorge)."""
-        check_seconds("yield seconds", seconds, minimum=-MAX_UINT32)
-        seconds = max(seconds, MIN_YIELD_SECONDS)
-        return self._write(sql.YIELD_LEASE, {**_fence(lease), "seconds": seconds})
+        return self.apply([yielded(lease, seconds)])[0]
+
+
+# -- outcomes, as writes that LeaseSession.apply sends alone or together --------------
+
+
+def success(lease: Lease, duration_us: int) -> Write:
+    """Archive with result 0 (a success without follow-ups)."""
+    check_seconds("duration", duration_us, maximum=MAX_UINT64)
+    return Write.archiving(lease, RESULT_SUCCESS, duration_us)
+
+
+def permanent_failure(lease: Lease) -> Write:
+    """Archive with result 1 and duration 0."""
+    return Write.archiving(lease, RESULT_FAILURE, 0)
+
+
+def temporary_failure(lease: Lease, wait: int) -> Write:
+    """Count a failure and hold the task back ``wait`` seconds; the owner stays.
+
+    A negative wait is Phorge's too (its tests use -60): the lease then expired
+    ``-wait`` seconds ago, so the task is due at once, behind older expiries."""
+    check_seconds("retry wait", wait, minimum=-MAX_UINT32)
+    return Write.guarded(sql.FAIL_TEMPORARY, {**_fence(lease), "wait": wait})
+
+
+def yielded(lease: Lease, seconds: int) -> Write:
+    """Give the task back for at least 5 seconds without counting a failure
+    (shorter yields, negative ones included, last 5 seconds, as in Phorge)."""
+    check_seconds("yield seconds", seconds, minimum=-MAX_UINT32)
+    seconds = max(seconds, MIN_YIELD_SECONDS)
+    return Write.guarded(sql.YIELD_LEASE, {**_fence(lease), "seconds": seconds})
+
+
+def _held(writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:
+    """Each write's verdict, from the row counts of all their statements in order."""
+    held, at = [], 0
+    for write in writes:
+        held.append(write.held(counts[at : at + len(write.steps)]))
+        at += len(write.steps)
+    return held
+
+
+def _task(cursor: Any) -> Task | None:
+    row = cursor.fetchone()
+    if row is None:
+        return None
+    names = [column[0] for column in cursor.description]
+    return task_from_row(dict(zip(names, row, strict=True)))
 
 
 def _fence(lease: Lease) -> dict[str, Any]:

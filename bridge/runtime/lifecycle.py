@@ -17,6 +17,7 @@ from bridge.celery import app
 from bridge.queue import Lease
 from bridge.runtime.consumers import ConsumersCollector, ConsumerWatch, survey
 from bridge.runtime.context import runtime
+from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK
 from bridge.runtime.metrics import serve
 from bridge.runtime.tracing import tag_log_lines
 
@@ -57,9 +58,15 @@ def start_metrics(**_kwargs) -> None:
 
 
 def unstarted_leases() -> list[Lease]:
-    """Leases of bridge.execute messages this worker holds but has not started."""
-    waiting = set(state.reserved_requests) - set(state.active_requests)
-    return [Lease(*r.args[:3]) for r in waiting if r.name == "bridge.execute" and len(r.args) >= 3]
+    """Leases of the tasks in messages this worker holds but has not started."""
+    leases = []
+    for request in set(state.reserved_requests) - set(state.active_requests):
+        args = request.args
+        if request.name == EXECUTE_TASK and len(args) >= 3:
+            leases.append(Lease(*args[:3]))
+        elif request.name == EXECUTE_BATCH and len(args) >= 2:
+            leases.extend(Lease(task[0], args[0], task[1]) for task in args[1])
+    return leases
 
 
 def free_unstarted() -> int:

@@ -1,10 +1,10 @@
-"""``bridge.poll``: lease due rows per Celery queue and dispatch them as ``bridge.execute``.
+"""``bridge.poll``: lease due rows per Celery queue and dispatch them to Celery.
 
 Each queue leases only up to its own free capacity (``max_inflight`` minus the leases
 the bridge holds for its classes), so a flood in one queue never starves another. One
 poll runs at a time (a database lock; an overlapping poll returns at once), so two
-polls never both fill the same capacity. A full dispatch marks its middle task: when
-that task has run, half the capacity is free and the worker asks for a poll at once, so
+polls never both fill the same capacity. A full dispatch marks its middle message: when
+that message has run, half the capacity is free and the worker asks for a poll at once, so
 throughput is not capped at ``max_inflight / poll_interval``.
 """
 
@@ -13,10 +13,6 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
-from typing import Any
-
-from kombu import Queue
-from kombu.utils.uuid import uuid
 
 from bridge.celery import app
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
@@ -25,9 +21,7 @@ from bridge.queue.model import new_owner
 from bridge.queue.retry import DatabaseUnavailable, is_transient
 from bridge.runtime.consumers import ConsumerWatch, survey
 from bridge.runtime.context import Runtime, runtime
-from bridge.runtime.execute import EXECUTE_TASK
-from bridge.runtime.metrics import DISPATCHED
-from bridge.runtime.tracing import TRACEPARENT_HEADER, TaskTrace, new_traceparent, traced
+from bridge.runtime.dispatch import Leased, batch_size, send
 
 log = logging.getLogger(__name__)
 
@@ -52,64 +46,23 @@ def plan(rt: Runtime) -> dict[str, list[str]]:
     return by_queue
 
 
-def publish(
-    producer: Any, queue: Queue, args: tuple, kwargs: dict, argsrepr: str, trace: TaskTrace
-) -> None:
-    """Send one ``bridge.execute`` message with Celery's own message builder and sender.
+def dispatch(rt: Runtime, tasks: list[Task], owner: str, queue: str, limit: int) -> int:
+    """Send leased rows to their queue; returns how many were sent before any error.
 
-    ``apply_async`` would cost twice as much a message here: it routes, adds the result to
-    the poll's trail and builds an AsyncResult nobody reads. The sender still fires the
-    publish signals and, with ``BRIDGE_TASK_EVENTS``, the task-sent events.
-    """
-    amqp = app.amqp
-    message = amqp.create_task_message(
-        uuid(),
-        EXECUTE_TASK,
-        args,
-        kwargs,
-        create_sent_event=app.conf.task_send_sent_event,
-        ignore_result=True,
-        argsrepr=argsrepr,
-        kwargsrepr="{}",
-    )
-    amqp.send_task_message(
-        producer,
-        EXECUTE_TASK,
-        message,
-        queue=queue,
-        declare=[],
-        retry=False,  # a refusal hands the unsent leases back (dispatch)
-        headers={TRACEPARENT_HEADER: trace.traceparent},
-    )
-
-
-def dispatch(rt: Runtime, tasks: list[Task], queue: str, limit: int) -> int:
-    """Send leased rows to their queue; returns how many were sent before any error."""
+    A dispatch that took at least half the capacity marks its middle message to ask for
+    the next poll once it has run."""
     inline_max = rt.settings.inline_data_max
-    # The middle of a dispatch that took at least half the capacity asks for the next poll.
-    marked = len(tasks) // 2 if len(tasks) >= max(1, limit // 2) else None
-    target = app.amqp.queues[queue]
-    with app.producer_or_acquire() as producer:
-        # Declared once per dispatch: kombu's per-message check binds a copy of the queue
-        # for every message, a fifth of the cost of a publish.
-        producer.maybe_declare(target)
-        for index, task in enumerate(tasks):
-            kwargs: dict[str, object] = {"taskClass": task.taskClass}
-            if task.rawData is not None and len(task.rawData) <= inline_max:
-                kwargs["data"] = task.rawData
-            if index == marked:
-                kwargs["repoll"] = True
-            trace = TaskTrace(task.id, task.taskClass, task.leaseOwner, new_traceparent())
-            args = (task.id, task.leaseOwner, task.failureCount)
-            try:
-                publish(producer, target, args, kwargs, repr((task.label,)), trace)
-            except Exception as exc:
-                log.error("dispatch to %s failed after %d of %d: %s", queue, index, len(tasks), exc)
-                return index
-            DISPATCHED.labels(queue=queue, task_class=task.taskClass).inc()
-            with traced(trace):
-                log.info("%s: dispatched to %s", task.label, queue)
-    return len(tasks)
+    leased = [
+        Leased(
+            t.id,
+            t.failureCount,
+            t.taskClass,
+            t.rawData if t.rawData is not None and len(t.rawData) <= inline_max else None,
+        )
+        for t in tasks
+    ]
+    size = batch_size(len(tasks), rt.settings.batch_max)
+    return send(owner, leased, queue, size, mark=len(tasks) >= max(1, limit // 2))
 
 
 def poll_once(rt: Runtime) -> int:
@@ -132,7 +85,7 @@ def poll_once(rt: Runtime) -> int:
             tasks = rt.queue.lease(
                 capacity, owner, settings.dispatch_lease, classes=classes, expired_first=True
             )
-            done = dispatch(rt, tasks, queue, limit)
+            done = dispatch(rt, tasks, owner, queue, limit)
             if done < len(tasks):
                 # The broker refused: hand the unsent leases back at once rather than
                 # letting them wait out the dispatch lease.

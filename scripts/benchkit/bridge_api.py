@@ -1,7 +1,7 @@
 """EVERY use of the bridge's internals by the bench is in this file, and only here.
 
 The bridge package is being restructured; whoever moves ``bridge.queue``,
-``bridge.runtime`` or changes ``run_task``/``lease`` updates the function below and
+``bridge.runtime`` or changes ``Batch``/``attempt``/``lease`` updates the function below and
 nothing else in ``scripts/``. They are imported lazily, inside the function, so the
 bench's other parts (the reference taskmaster, the ceilings, the report) work even
 while the bridge is broken mid-refactor.
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 CELERY_APP = "bridge"  # celery -A bridge
-EXECUTE_TASK = "bridge.execute"  # its first argument is the Phorge task id
 POLL_TASK = "bridge.poll"
+RUN_RECORD = "bridge.run"  # one Phorge task's run, recorded through observe_runs
 DEFAULT_POLL_INTERVAL = "0.25"  # BRIDGE_POLL_INTERVAL's default (README, "Settings")
 
 
@@ -36,15 +37,15 @@ class SqlPath:
 
     batch: int  # the default max in flight of the default queue: what one poll leases
     lease: Callable[[int], list[LeasedTask]]
-    execute: Callable[[LeasedTask], str]
+    execute: Callable[[list[LeasedTask]], list[str]]  # each task's outcome
 
 
 def sql_path() -> SqlPath:
     """The bridge's lease and execute functions, configured from the ``BRIDGE_*`` env."""
-    from bridge.queue import Lease
     from bridge.queue.model import new_owner
     from bridge.runtime.context import runtime
-    from bridge.runtime.execute import run_task
+    from bridge.runtime.dispatch import Leased, batch_size
+    from bridge.runtime.execute import Batch
 
     rt = runtime()
     settings = rt.settings
@@ -54,10 +55,36 @@ def sql_path() -> SqlPath:
         tasks = rt.queue.lease(limit, owner, settings.dispatch_lease)
         return [LeasedTask(t.id, t.leaseOwner, t.failureCount, t.rawData) for t in tasks]
 
-    def execute(task: LeasedTask) -> str:
-        # As a dispatched message carries it: the fence, and the data inline.
-        fence = Lease(task.id, task.owner, task.failure_count)
-        return str(run_task(runtime(), fence, task.raw_data))
+    def execute(tasks: list[LeasedTask]) -> list[str]:
+        # As a dispatch sends them: the fence and the data inline, a message's worth at a
+        # time, each message's tasks run as a worker runs them.
+        size = batch_size(len(tasks), settings.batch_max)
+        outcomes = []
+        for at in range(0, len(tasks), size):
+            group = tasks[at : at + size]
+            batch = Batch(rt, group[0].owner, None)
+            batch.run([Leased(t.id, t.failure_count, None, t.raw_data) for t in group])
+            outcomes += [str(ran.outcome) for _, ran, _ in batch.ran]
+        return outcomes
 
     batch = settings.max_inflight.for_queue(settings.router.default_queue)
     return SqlPath(batch, lease, execute)
+
+
+def observe_runs(started: Callable[[int], None], ended: Callable[[int], None]) -> None:
+    """Call ``started(id)`` as each Phorge task's run begins (its lease checked) and
+    ``ended(id)`` once its outcome is written: a Celery message may carry several."""
+    from bridge.runtime import execute
+
+    attempt, record = execute.attempt, execute.Batch.record
+
+    def timed_attempt(rt: Any, lease: Any, *args: Any) -> Any:
+        started(lease.task_id)
+        return attempt(rt, lease, *args)
+
+    def timed_record(self: Any, item: Any, ran: Any) -> None:
+        record(self, item, ran)
+        ended(item.id)
+
+    execute.attempt = timed_attempt
+    execute.Batch.record = timed_record  # type: ignore[method-assign]

@@ -137,9 +137,10 @@ class Bridge(Consumer):
 
     def start(self) -> None:
         assert self.server is not None and self.broker is not None
-        self.execute_name, self.poll_name = bridge_api.EXECUTE_TASK, bridge_api.POLL_TASK
+        self.execute_name, self.poll_name = bridge_api.RUN_RECORD, bridge_api.POLL_TASK
         directory = self.workdir("bridge-")
         env = hooked_env(directory, [REPO])
+        env[hook.BRIDGE_RUNS_ENV] = "1"
         settings = bridge_settings(self.server, self.broker, self.overrides)
         env.update(settings)
         interval = settings.get("BRIDGE_POLL_INTERVAL", bridge_api.DEFAULT_POLL_INTERVAL)

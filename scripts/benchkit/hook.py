@@ -12,7 +12,8 @@ so the bridge itself is measured unmodified. In every process it:
   SQLAlchemy, which every consumer here goes through;
 - records each finished Celery task (``task_prerun``/``task_postrun``): its first
   argument (the Phorge task id for ``bridge.execute``), start and end (``time.time()``),
-  thread CPU, and the counters so far (``records.RecordWriter``);
+  thread CPU, and the counters so far (``records.RecordWriter``); in a bridge worker
+  (``BENCH_BRIDGE_RUNS``), each Phorge task it runs too, batched or not;
 - writes an empty ``<ready dir>/<pid>`` once the worker is ready (Celery logs "ready."
   only at INFO, which would slow the worker down).
 
@@ -31,6 +32,7 @@ from benchkit.records import CounterBox, RecordWriter
 
 RECORD_DIR_ENV = "BENCH_RECORD_DIR"
 READY_DIR_ENV = "BENCH_READY_DIR"
+BRIDGE_RUNS_ENV = "BENCH_BRIDGE_RUNS"  # set for bridge workers: record each Phorge task
 
 # A quoted string or identifier (backslash escapes included), or a statement separator.
 _TOKENS = re.compile(rb"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`[^`]*`|;", re.DOTALL)
@@ -47,7 +49,10 @@ def install() -> None:
     if not record_dir:
         return
     _count_database_requests()
-    _record_celery_tasks(RecordWriter(record_dir), os.environ.get(READY_DIR_ENV))
+    writer = RecordWriter(record_dir)
+    _record_celery_tasks(writer, os.environ.get(READY_DIR_ENV))
+    if os.environ.get(BRIDGE_RUNS_ENV):
+        _record_bridge_runs(writer)
 
 
 def counters() -> CounterBox:
@@ -131,3 +136,27 @@ def _record_celery_tasks(writer: RecordWriter, ready_dir: str | None) -> None:
     task_prerun.connect(prerun, weak=False)
     task_postrun.connect(postrun, weak=False)
     worker_ready.connect(ready, weak=False)
+
+
+def _record_bridge_runs(writer: RecordWriter) -> None:
+    """Records each Phorge task a bridge worker runs (a Celery message may carry several),
+    from its run's start to its outcome's write, as ``bridge_api.RUN_RECORD``."""
+    from celery.signals import worker_init
+
+    from benchkit import bridge_api
+
+    runs: dict[int, tuple[float, float]] = {}
+
+    def started(task_id: int) -> None:
+        with _started_lock:
+            runs[task_id] = (time.time(), time.thread_time())
+
+    def ended(task_id: int) -> None:
+        end, cpu_end = time.time(), time.thread_time()
+        with _started_lock:
+            start, cpu_start = runs.pop(task_id, (end, cpu_end))
+        snapshot = _counters.snapshot()
+        writer.write(bridge_api.RUN_RECORD, task_id, start, end, cpu_end - cpu_start, snapshot)
+
+    # In the worker's main process, before the pool forks its children.
+    worker_init.connect(lambda **_: bridge_api.observe_runs(started, ended), weak=False)

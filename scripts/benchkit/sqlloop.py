@@ -2,8 +2,9 @@
 
     BRIDGE_DATABASE_URL=... python3 -m benchkit.sqlloop --ready FILE   (hooked, see ceilings)
 
-Lease a batch with the bridge's own lease (``bridge_api.sql_path``), execute each leased
-task with the bridge's own execute path, repeat until a lease comes back empty. No
+Lease a batch with the bridge's own lease (``bridge_api.sql_path``), execute the leased
+tasks with the bridge's own execute path, a message's worth at a time as a worker runs
+them, repeat until a lease comes back empty. No
 broker, no message, no process hop: what is left is the database work per task, so
 the bridge through Celery can approach this figure but not pass it.
 
@@ -33,17 +34,23 @@ def main() -> None:
     path = bridge_api.sql_path()
     path.lease(1)  # nothing is queued yet: builds the runtime and connects
     writer = RecordWriter(args.records)
+    runs: dict[int, tuple[float, float]] = {}
+
+    def started(task_id: int) -> None:
+        runs[task_id] = (time.time(), time.thread_time())
+
+    def ended(task_id: int) -> None:
+        end, cpu_end = time.time(), time.thread_time()
+        start, cpu = runs.pop(task_id, (end, cpu_end))
+        writer.write(RECORD_NAME, task_id, start, end, cpu_end - cpu, hook.counters().snapshot())
+
+    bridge_api.observe_runs(started, ended)
     Path(args.ready).touch()
     sys.stdin.readline()
     while tasks := path.lease(path.batch):
-        for task in tasks:
-            started, cpu = time.time(), time.thread_time()
-            outcome = path.execute(task)
-            end = time.time()
+        for outcome in path.execute(tasks):
             if outcome != "success":
-                print(f"task {task.id}: {outcome}", file=sys.stderr, flush=True)
-            counters = hook.counters().snapshot()
-            writer.write(RECORD_NAME, task.id, started, end, time.thread_time() - cpu, counters)
+                print(f"a task ended: {outcome}", file=sys.stderr, flush=True)
     sys.stdin.read()
 
 

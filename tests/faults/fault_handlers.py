@@ -1,8 +1,8 @@
 """The fault suite's handler, installed in the workers by ``tests/faults/conftest.py``.
 
 ``FaultTask`` appends one JSON line per run to ``$PHORGE_BRIDGE_TEST_RECORD_FILE`` before
-it does anything else, naming the lease it runs under (``bridge.execute``'s own
-arguments: id, owner, failure count), so a run survives in the record even when its
+it does anything else, naming the lease it runs under (id, owner from the run's trace,
+failure count), so a run survives in the record even when its
 worker is killed a moment later. Data keys: ``duration`` (seconds to sleep) and
 ``failTimes`` (fail temporarily while the failure count is below it).
 """
@@ -12,15 +12,16 @@ from __future__ import annotations
 import time
 
 import run_record
-from celery import current_task
 
 from bridge.handlers.api import Handler, TaskContext
+from bridge.runtime.tracing import current_trace
 
 
 def record(task: TaskContext) -> None:
-    task_id, owner, failure_count = current_task.request.args[:3]
+    trace = current_trace()
+    assert trace is not None and trace.task_id == task.id, "a run outside its trace"
     run_record.append(
-        {"event": "start", "id": task_id, "owner": owner, "failureCount": failure_count}
+        {"event": "start", "id": task.id, "owner": trace.owner, "failureCount": task.failure_count}
     )
 
 

@@ -34,6 +34,7 @@ from bridge.queue.model import (
     RESULT_FAILURE,
     RESULT_SUCCESS,
     YIELD_OWNER,
+    NewTask,
     TaskFilter,
     new_owner,
 )
@@ -194,9 +195,12 @@ def flaky(method: Callable, failures: int, error: Callable[[], Exception] = data
     return call
 
 
-def flaky_statement(monkeypatch, statement, failures: int) -> None:
-    """The session's ``statement`` fails with a database blip on its first ``failures`` runs."""
-    compile_ = flaky(LeaseSession._compile, failures)
+def flaky_statement(
+    monkeypatch, statement, failures: int, error: Callable[[], Exception] = database_blip
+) -> None:
+    """The session's ``statement`` fails (by default with a database blip) on its first
+    ``failures`` runs."""
+    compile_ = flaky(LeaseSession._compile, failures, error)
     original = LeaseSession._compile
     monkeypatch.setattr(
         LeaseSession,
@@ -625,3 +629,117 @@ def test_a_non_utf8_data_row_fails_that_task_permanently(rt):
     [task] = rt.queue.lease(1, new_owner("bridge"), 300)
     assert run_task(rt, task.lease).outcome is Outcome.PERMANENT_FAILURE
     assert archive_rows(rt, task_id)[0].result == RESULT_FAILURE
+
+
+# -- batches: a backlog's tasks several to a Celery message ----------------------------------
+
+
+def lease_batch(rt: Runtime, task_class: str, count: int, data=None) -> tuple[str, list]:
+    """Enqueue and lease ``count`` tasks under one owner, as one poll does; returns the
+    owner and the ``bridge.execute_batch`` items."""
+    rt.queue.enqueue_many([NewTask(task_class, data)] * count)
+    owner = new_owner("bridge")
+    tasks = rt.queue.lease(count, owner, 300, classes=[task_class])
+    return owner, [[t.id, t.failureCount, t.taskClass, t.rawData] for t in tasks]
+
+
+@pytest.fixture
+def batches(rt, monkeypatch) -> list[tuple[list, int]]:
+    """Run ``bridge.execute_batch`` on ``rt``; what a batch sends on is recorded here."""
+    sent: list[tuple[list, int]] = []
+    monkeypatch.setattr(execute_module, "runtime", lambda: rt)
+
+    def send(owner, rest, queue, size) -> int:
+        sent.append((rest, size))
+        return len(rest)
+
+    monkeypatch.setattr(execute_module, "send", send)
+    return sent
+
+
+def test_a_batch_costs_one_round_trip_a_task_and_a_commit_each(rt, batches):
+    owner, items = lease_batch(rt, TEST_WORKER, 8)
+    cost = SessionCost(rt)
+    assert execute_module.execute_batch(owner, items) == "8 task(s): 8 success"
+    # The first check; then 7 round trips of the previous outcome (START TRANSACTION,
+    # archive, delete, COMMIT) and the next check; then the last outcome alone.
+    assert cost.since() == {"commits": 8, "statements": 1 + 7 * 5 + 4, "checkouts": 0}
+    for task_id, *_ in items:
+        assert [row.result for row in archive_rows(rt, task_id)] == [RESULT_SUCCESS]
+        assert active_row(rt, task_id) is None
+
+
+def test_a_task_cancelled_while_its_batch_runs_does_not_run(rt, probe, batches):
+    owner, items = lease_batch(rt, PROBE, 3)
+    first, second, third = (item[0] for item in items)
+
+    def cancel_the_second(ctx: TaskContext) -> None:
+        if ctx.id == first:
+            rt.queue.cancel(TaskFilter(ids=[second]))
+
+    probe.behaviour = cancel_the_second
+    with pytest.raises(execute_module.BatchNotDone) as not_done:
+        execute_module.execute_batch(owner, items)
+    assert [ctx.id for ctx in probe.runs] == [first, third]
+    assert f"{PROBE}#{second}: lease-lost: the lease was no longer held" in str(not_done.value)
+    assert str(not_done.value).startswith("3 task(s): 1 lease-lost, 2 success")
+    assert [row.result for row in archive_rows(rt, third)] == [RESULT_SUCCESS]
+
+
+def test_each_outcome_in_a_batch_is_fenced_alone(rt, probe, batches):
+    owner, items = lease_batch(rt, PROBE, 3)
+    first, second, third = (item[0] for item in items)
+
+    def behave(ctx: TaskContext) -> None:
+        if ctx.id == first:  # another consumer took this one meanwhile
+            set_active(rt, first, leaseOwner="someone-else", leaseExpires=db_now() + 300)
+        if ctx.id == second:
+            raise TemporaryFailure("down", delay=60)
+
+    probe.behaviour = behave
+    with pytest.raises(execute_module.BatchNotDone) as not_done:
+        execute_module.execute_batch(owner, items)
+    assert f"{PROBE}#{first}: lease-lost: success not written" in str(not_done.value)
+    assert f"{PROBE}#{second}: failure: down (due again in 60 s)" in str(not_done.value)
+    assert active_row(rt, first).leaseOwner == "someone-else"
+    assert active_row(rt, second).failureCount == 1
+    assert [row.result for row in archive_rows(rt, third)] == [RESULT_SUCCESS]
+
+
+def test_a_batch_past_its_poll_interval_sends_the_rest_on_unrun(rt, probe, batches):
+    owner, items = lease_batch(rt, PROBE, 5)
+    probe.behaviour = lambda ctx: time.sleep(rt.settings.poll_interval * 1.5)
+    assert execute_module.execute_batch(owner, items) == "1 task(s): 1 success; 4 sent on"
+    # One task took longer than the interval: the rest go one a message, still leased.
+    [(rest, size)] = batches
+    assert [item.id for item in rest] == [item[0] for item in items[1:]]
+    assert size == 1
+    assert [ctx.id for ctx in probe.runs] == [items[0][0]]
+    assert {active_row(rt, item.id).leaseOwner for item in rest} == {owner}
+
+
+def test_a_refused_outcome_fails_alone_and_the_batch_goes_on(rt, batches, monkeypatch, caplog):
+    owner, items = lease_batch(rt, TEST_WORKER, 3)
+    refused = MySQLdb.DataError(1264, "Out of range value for column 'duration'")
+    # Refused with the next task's check, then alone: the first outcome only.
+    flaky_statement(monkeypatch, sql.ARCHIVE, failures=2, error=lambda: refused)
+    with caplog.at_level(logging.ERROR), pytest.raises(execute_module.BatchNotDone) as not_done:
+        execute_module.execute_batch(owner, items)
+    first, second, third = (item[0] for item in items)
+    assert f"{TEST_WORKER}#{first}: unreported: success not written" in str(not_done.value)
+    assert "Out of range value" in caplog.text
+    assert archive_rows(rt, first) == [] and active_row(rt, first).leaseOwner == owner
+    for task_id in (second, third):
+        assert [row.result for row in archive_rows(rt, task_id)] == [RESULT_SUCCESS]
+
+
+def test_a_database_outage_mid_batch_leaves_the_rest_to_their_leases(
+    rt, probe, batches, sleeps, monkeypatch
+):
+    owner, items = lease_batch(rt, PROBE, 3, data={"n": 1})
+    flaky_statement(monkeypatch, sql.HELD, failures=99)
+    with pytest.raises(execute_module.BatchNotDone) as not_done:
+        execute_module.execute_batch(owner, items)
+    assert str(not_done.value).startswith("3 task(s): 3 unreported")
+    assert probe.runs == []
+    assert {active_row(rt, item[0]).leaseOwner for item in items} == {owner}

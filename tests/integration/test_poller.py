@@ -25,7 +25,7 @@ from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
 from bridge.queue.model import NewTask, TaskFilter, lease_epoch, new_owner
 from bridge.queue.schema import worker_activetask as active
-from bridge.runtime import poller
+from bridge.runtime import dispatch
 from bridge.runtime.context import Runtime
 from bridge.runtime.poller import poll_once
 
@@ -52,28 +52,40 @@ class Message:
     queue: str
     argsrepr: str
     repoll: bool
+    batch: int  # how many tasks its message carried
 
 
 @pytest.fixture
 def sent(monkeypatch) -> list[Message]:
-    """The bridge.execute messages polls send, in order."""
+    """The tasks polls send, in order, one entry a task (a batch message gives several)."""
     messages: list[Message] = []
 
-    def publish(producer, queue, args, kwargs, argsrepr, trace) -> None:
+    def publish(producer, queue, name, args, kwargs, argsrepr, traceparent) -> None:
         # Every message carries a trace context of its own for the execution to keep.
-        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", trace.traceparent)
-        messages.append(
-            Message(
-                *args,
-                kwargs.get("data"),
-                kwargs["taskClass"],
-                queue.name,
-                argsrepr,
-                kwargs.get("repoll", False),
+        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", traceparent)
+        repoll = kwargs.get("repoll", False)
+        if name == dispatch.EXECUTE_TASK:
+            task_id, owner, failure_count = args
+            tasks = [[task_id, failure_count, kwargs["taskClass"], kwargs.get("data")]]
+        else:
+            assert name == dispatch.EXECUTE_BATCH and set(kwargs) <= {"repoll"}
+            owner, tasks = args
+        for task_id, failure_count, task_class, data in tasks:
+            messages.append(
+                Message(
+                    task_id,
+                    owner,
+                    failure_count,
+                    data,
+                    task_class,
+                    queue.name,
+                    argsrepr,
+                    repoll,
+                    len(tasks),
+                )
             )
-        )
 
-    monkeypatch.setattr(poller, "publish", publish)
+    monkeypatch.setattr(dispatch, "publish", publish)
     return messages
 
 
@@ -234,12 +246,12 @@ def test_a_broker_refusal_hands_back_the_unsent_leases(make_runtime, monkeypatch
     ids = enqueue(rt, FAST, count=3)
     sent_ids = []
 
-    def refuse_after_one(producer, queue, args, *_rest) -> None:
+    def refuse_after_one(producer, queue, name, args, *_rest) -> None:
         if sent_ids:
             raise ConnectionError("broker went away")
         sent_ids.append(args[0])
 
-    monkeypatch.setattr(poller, "publish", refuse_after_one)
+    monkeypatch.setattr(dispatch, "publish", refuse_after_one)
     assert poll_once(rt) == 1
     owners = {t.id: t.leaseOwner for t in rt.queue.list(TaskFilter(ids=ids))}
     assert owners[sent_ids[0]] is not None
@@ -255,6 +267,32 @@ def test_a_dispatch_of_half_the_capacity_or_more_marks_its_middle_task(make_runt
     enqueue(rt, FAST, count=4)  # capacity 4 left: less than half of 10, no mark
     assert poll_once(rt) == 4
     assert not any(m.repoll for m in sent)
+
+
+def test_a_backlog_travels_in_batches_and_a_light_load_one_message_a_task(make_runtime, sent):
+    rt = make_runtime(MAX_INFLIGHT="500")
+    ids = enqueue(rt, FAST, count=300)
+    assert poll_once(rt) == 300
+    # 300 tasks: 9 a message (300 // 32), so at least 32 messages for 32 processes.
+    assert sorted(m.task_id for m in sent) == ids
+    assert {m.batch for m in sent} == {9, 300 % 9}
+    assert len({m.owner for m in sent}) == 1
+    sent.clear()
+    enqueue(rt, FAST, count=63)  # below two messages' worth a process: one a task
+    assert poll_once(rt) == 63
+    assert {m.batch for m in sent} == {1}
+
+
+def test_a_batch_never_exceeds_the_configured_maximum(make_runtime, sent):
+    rt = make_runtime(MAX_INFLIGHT="500", BATCH_MAX="4")
+    enqueue(rt, FAST, count=400)
+    assert poll_once(rt) == 400
+    assert {m.batch for m in sent} == {4}
+    rt = make_runtime(MAX_INFLIGHT="500", BATCH_MAX="1")
+    sent.clear()
+    enqueue(rt, SLOW, count=100)
+    assert poll_once(rt) == 100
+    assert {m.batch for m in sent} == {1}
 
 
 def test_a_poll_overlapping_another_dispatches_nothing(make_runtime, sent):

@@ -80,6 +80,7 @@ ACCEPTED = [
     ("BRIDGE_HANDLERS_EXCLUDE", "*Repository*", "handlers_exclude", ("*Repository*",)),
     ("BRIDGE_OWNER_PREFIX", "bridge-eu-1", "owner_prefix", "bridge-eu-1"),
     ("BRIDGE_INLINE_DATA_MAX", "1", "inline_data_max", 1),
+    ("BRIDGE_BATCH_MAX", "1", "batch_max", 1),
     ("BRIDGE_TASK_EVENTS", "false", "task_events", False),
     ("BRIDGE_TASK_EVENTS", "OFF", "task_events", False),
     ("BRIDGE_TASK_EVENTS", "0", "task_events", False),
@@ -155,6 +156,7 @@ REFUSED = [
     # Room must be left for ":pid:time:host:sequence" in Phorge's varchar(64) leaseOwner.
     ({"BRIDGE_OWNER_PREFIX": "x" * 45}, "BRIDGE_OWNER_PREFIX", "short"),
     ({"BRIDGE_INLINE_DATA_MAX": "0"}, "BRIDGE_INLINE_DATA_MAX", "positive"),
+    ({"BRIDGE_BATCH_MAX": "many"}, "BRIDGE_BATCH_MAX", "positive"),
     ({"BRIDGE_TASK_EVENTS": "maybe"}, "BRIDGE_TASK_EVENTS", "true or false"),
     ({"BRIDGE_METRICS_PORT": "0"}, "BRIDGE_METRICS_PORT", "integer"),
     ({"BRIDGE_METRICS_PORT": "http"}, "BRIDGE_METRICS_PORT", "integer"),
