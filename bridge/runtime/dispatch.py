@@ -2,10 +2,11 @@
 ``bridge.execute_batch`` messages carrying several tasks of one queue each.
 
 A Celery message costs the worker about as much CPU as a short task's own work (the
-delivery, the pipe to a prefork child, the ack), so when a poll leases many rows they
-travel in batches. A light load keeps one Celery task per Phorge task (Flower shows each
-one's state), and a dispatch is cut into at least ``SPREAD`` messages, so up to that many
-processes or threads start at once.
+delivery, the pipe to a prefork child, the ack), so a queue holding many leases sends
+its tasks in batches. The size follows the queue's leases in flight, not one poll's
+catch: a queue at its capacity holds about ``SPREAD`` messages whatever the poll
+interval, so up to that many processes or threads are busy, and a light load keeps one
+Celery task per Phorge task (Flower shows each one's state).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ class Leased(NamedTuple):
         return f"{self.task_class}#{self.id}" if self.task_class else f"#{self.id}"
 
 
-def batch_size(count: int, batch_max: int) -> int:
-    """Tasks a message carries when ``count`` are sent at once: one each below
-    ``2 * SPREAD`` tasks, else as many as keeps ``SPREAD`` messages, at most ``batch_max``."""
-    return max(1, min(batch_max, count // SPREAD))
+def batch_size(in_flight: int, batch_max: int) -> int:
+    """Tasks a message carries for a queue holding ``in_flight`` leases (this dispatch's
+    included): one each below ``2 * SPREAD``, else enough to make ``SPREAD`` messages of
+    them, at most ``batch_max``."""
+    return max(1, min(batch_max, in_flight // SPREAD))
 
 
 def publish(

@@ -46,8 +46,9 @@ def plan(rt: Runtime) -> dict[str, list[str]]:
     return by_queue
 
 
-def dispatch(rt: Runtime, tasks: list[Task], owner: str, queue: str, limit: int) -> int:
-    """Send leased rows to their queue; returns how many were sent before any error.
+def dispatch(rt: Runtime, tasks: list[Task], owner: str, queue: str, limit: int, held: int) -> int:
+    """Send leased rows to their queue (which held ``held`` leases before them); returns
+    how many were sent before any error.
 
     A dispatch that took at least half the capacity marks its middle message to ask for
     the next poll once it has run."""
@@ -61,7 +62,7 @@ def dispatch(rt: Runtime, tasks: list[Task], owner: str, queue: str, limit: int)
         )
         for t in tasks
     ]
-    size = batch_size(len(tasks), rt.settings.batch_max)
+    size = batch_size(held + len(tasks), rt.settings.batch_max)
     return send(owner, leased, queue, size, mark=len(tasks) >= max(1, limit // 2))
 
 
@@ -77,7 +78,8 @@ def poll_once(rt: Runtime) -> int:
         sent = 0
         for queue, classes in by_queue.items():
             limit = settings.max_inflight.for_queue(queue)
-            capacity = limit - sum(held.get(c, 0) for c in classes)
+            in_flight = sum(held.get(c, 0) for c in classes)
+            capacity = limit - in_flight
             if capacity <= 0:
                 continue
             # The owner's epoch is the database's clock, as failureTime is.
@@ -85,7 +87,7 @@ def poll_once(rt: Runtime) -> int:
             tasks = rt.queue.lease(
                 capacity, owner, settings.dispatch_lease, classes=classes, expired_first=True
             )
-            done = dispatch(rt, tasks, owner, queue, limit)
+            done = dispatch(rt, tasks, owner, queue, limit, in_flight)
             if done < len(tasks):
                 # The broker refused: hand the unsent leases back at once rather than
                 # letting them wait out the dispatch lease.

@@ -1,10 +1,11 @@
 """Trace context of one execution: a W3C ``traceparent`` and the task it belongs to.
 
-The poller puts a ``traceparent`` in each ``bridge.execute`` message's headers (any other
-sender may too); the execution keeps it, or makes a new one, sends it to Phorge with
-``worker.execute`` and to feed hook receivers, and :class:`TaskLogFilter` appends it,
-with the task's id, class and lease owner, to every log line written while the task
-runs, so one grep follows a task from the poll to its outcome.
+The poller puts a ``traceparent`` in each message's headers (any other sender may too;
+the tasks of a batch share their message's); the execution keeps it, or makes a new
+one, sends it to Phorge with ``worker.execute`` and to feed hook receivers, and
+:class:`TaskLogFilter` appends it, with the task's id, class and lease owner, to every
+log line written while the task runs, so one grep follows a task from the poll to its
+outcome.
 """
 
 from __future__ import annotations

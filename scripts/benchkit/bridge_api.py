@@ -57,7 +57,7 @@ def sql_path() -> SqlPath:
 
     def execute(tasks: list[LeasedTask]) -> list[str]:
         # As a dispatch sends them: the fence and the data inline, a message's worth at a
-        # time, each message's tasks run as a worker runs them.
+        # time (a lease of the whole capacity), each message's tasks run as a worker does.
         size = batch_size(len(tasks), settings.batch_max)
         outcomes = []
         for at in range(0, len(tasks), size):

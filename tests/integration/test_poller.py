@@ -271,16 +271,21 @@ def test_a_dispatch_of_half_the_capacity_or_more_marks_its_middle_task(make_runt
 
 def test_a_backlog_travels_in_batches_and_a_light_load_one_message_a_task(make_runtime, sent):
     rt = make_runtime(MAX_INFLIGHT="500")
-    ids = enqueue(rt, FAST, count=300)
-    assert poll_once(rt) == 300
-    # 300 tasks: 9 a message (300 // 32), so at least 32 messages for 32 processes.
-    assert sorted(m.task_id for m in sent) == ids
-    assert {m.batch for m in sent} == {9, 300 % 9}
-    assert len({m.owner for m in sent}) == 1
-    sent.clear()
     enqueue(rt, FAST, count=63)  # below two messages' worth a process: one a task
     assert poll_once(rt) == 63
     assert {m.batch for m in sent} == {1}
+    sent.clear()
+    ids = enqueue(rt, FAST, count=300)
+    assert poll_once(rt) == 300
+    # 363 leases in flight: 11 tasks a message (363 // 32), so about 32 messages are
+    # queued for 32 processes, however many rows each poll finds.
+    assert sorted(m.task_id for m in sent) == ids
+    assert {m.batch for m in sent} == {11, 300 % 11}
+    assert len({m.owner for m in sent}) == 1
+    sent.clear()
+    ids = enqueue(rt, FAST, count=20)  # a few rows, in a queue holding many leases
+    assert poll_once(rt) == 20
+    assert [m.batch for m in sent] == [11] * 11 + [9] * 9
 
 
 def test_a_batch_never_exceeds_the_configured_maximum(make_runtime, sent):
