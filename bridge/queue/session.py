@@ -197,11 +197,10 @@ class LeaseSession:
                 pass
             return counts, task
 
-        try:
-            return self._run(what, work)
-        finally:
-            if read is not None and not self._mysql:
-                self._dbapi().rollback()  # end SQLite's implicit read
+        result = self._run(what, work)
+        if read is not None and not self._mysql:
+            self._dbapi().rollback()  # end SQLite's implicit read
+        return result
 
     def apply(self, writes: Sequence[Write]) -> list[bool]:
         """Write ``writes`` in one transaction (one round trip, one commit); returns
