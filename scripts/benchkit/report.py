@@ -91,8 +91,8 @@ def ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}x"
 
 
-def ms(value: float | None) -> str:
-    return number(None if value is None else value * 1000, 1)
+def ms(value: float | None, digits: int = 1) -> str:
+    return number(None if value is None else value * 1000, digits)
 
 
 def both_ratios(r: Result, base: Result | None) -> str:
@@ -327,9 +327,10 @@ def cost_row(r: Result) -> list[str]:
         per(t.server["Com_commit"]),
         per(t.server["Com_rollback"]),
         per(t.server["Handler_commit"]),
-        ms(t.cpu.get("workers", 0.0) / n),
-        ms(t.poller_cpu / n) if t.poller_cpu is not None else "-",
-        ms(t.cpu["beat"] / n) if "beat" in t.cpu else "-",
-        ms(t.db_cpu / n),
-        ms(t.broker_cpu / n) if t.broker_cpu is not None else "n/a",
+        # Two decimals: the speed target is under 1 ms of worker CPU a task.
+        ms(t.cpu.get("workers", 0.0) / n, 2),
+        ms(t.poller_cpu / n, 2) if t.poller_cpu is not None else "-",
+        ms(t.cpu["beat"] / n, 2) if "beat" in t.cpu else "-",
+        ms(t.db_cpu / n, 2),
+        ms(t.broker_cpu / n, 2) if t.broker_cpu is not None else "n/a",
     ]
