@@ -138,11 +138,9 @@ def _record_celery_tasks(writer: RecordWriter, ready_dir: str | None) -> None:
     worker_ready.connect(ready, weak=False)
 
 
-def _record_bridge_runs(writer: RecordWriter) -> None:
-    """Records each Phorge task a bridge worker runs (a Celery message may carry several),
-    from its run's start to its outcome's write, as ``bridge_api.RUN_RECORD``."""
-    from celery.signals import worker_init
-
+def record_runs(writer: RecordWriter, name: str) -> None:
+    """Record each Phorge task the bridge runs in this process (a Celery message may
+    carry several), from its run's start to its outcome's write, as ``name``."""
     from benchkit import bridge_api
 
     runs: dict[int, tuple[float, float]] = {}
@@ -155,8 +153,16 @@ def _record_bridge_runs(writer: RecordWriter) -> None:
         end, cpu_end = time.time(), time.thread_time()
         with _started_lock:
             start, cpu_start = runs.pop(task_id, (end, cpu_end))
-        snapshot = _counters.snapshot()
-        writer.write(bridge_api.RUN_RECORD, task_id, start, end, cpu_end - cpu_start, snapshot)
+        writer.write(name, task_id, start, end, cpu_end - cpu_start, _counters.snapshot())
+
+    bridge_api.observe_runs(started, ended)
+
+
+def _record_bridge_runs(writer: RecordWriter) -> None:
+    """In a bridge worker, :func:`record_runs` as ``bridge_api.RUN_RECORD``."""
+    from celery.signals import worker_init
+
+    from benchkit import bridge_api
 
     # In the worker's main process, before the pool forks its children.
-    worker_init.connect(lambda **_: bridge_api.observe_runs(started, ended), weak=False)
+    worker_init.connect(lambda **_: record_runs(writer, bridge_api.RUN_RECORD), weak=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from benchkit import bridge_api, hook
@@ -33,18 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     path = bridge_api.sql_path()
     path.lease(1)  # nothing is queued yet: builds the runtime and connects
-    writer = RecordWriter(args.records)
-    runs: dict[int, tuple[float, float]] = {}
-
-    def started(task_id: int) -> None:
-        runs[task_id] = (time.time(), time.thread_time())
-
-    def ended(task_id: int) -> None:
-        end, cpu_end = time.time(), time.thread_time()
-        start, cpu = runs.pop(task_id, (end, cpu_end))
-        writer.write(RECORD_NAME, task_id, start, end, cpu_end - cpu, hook.counters().snapshot())
-
-    bridge_api.observe_runs(started, ended)
+    hook.record_runs(RecordWriter(args.records), RECORD_NAME)
     Path(args.ready).touch()
     sys.stdin.readline()
     while tasks := path.lease(path.batch):
