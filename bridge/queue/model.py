@@ -53,6 +53,19 @@ class Lease(NamedTuple):
     failure_count: int
 
 
+class Leased(NamedTuple):
+    """A leased task as its Celery message carries it (the owner is the message's)."""
+
+    id: int
+    failure_count: int
+    task_class: str | None = None
+    data: str | None = None  # its JSON, when small enough to travel inline
+
+    @property
+    def label(self) -> str:
+        return f"{self.task_class}#{self.id}" if self.task_class else f"#{self.id}"
+
+
 class State(StrEnum):
     """Where a task stands; Phorge has no status column, so this is read off the row."""
 

@@ -25,6 +25,7 @@ from bridge.queue.model import (
     RESULT_SUCCESS,
     ActionResult,
     Lease,
+    Leased,
     NewTask,
     QueueStats,
     Task,
@@ -46,6 +47,14 @@ T = TypeVar("T")
 
 def _task(row: Row, archived: bool = False) -> Task:
     return task_from_row(row._asdict(), archived)
+
+
+def _utf8(raw: bytes | None) -> str | None:
+    """Data to send inline; None (read and judged by the worker) when not UTF-8."""
+    try:
+        return raw.decode("utf-8") if raw is not None else None
+    except UnicodeDecodeError:
+        return None
 
 
 class PhorgeQueue:
@@ -175,11 +184,32 @@ class PhorgeQueue:
         to those tasks (``PhabricatorWorkerLeaseQuery::withIDs``). ``expired_first``
         runs the expired phase first, so lost dispatches come back before the backlog.
         """
+        where = sql.LeaseFilter(classes, exclude_classes, ids)
+        if not self._take(limit, owner, seconds, where, expired_first):
+            return []
+        with self.engine.connect() as conn:
+            return [_task(row) for row in conn.execute(sql.select_leased(owner)).all()]
+
+    def lease_to_send(
+        self, limit: int, owner: str, seconds: int, classes: Sequence[str], inline_max: int
+    ) -> list[Leased]:
+        """The poll's lease: as :meth:`lease` with ``expired_first``, returning the rows as
+        their messages carry them, data undecoded and only up to ``inline_max`` bytes
+        (the worker decodes it, or reads a larger one, when it checks the lease)."""
+        if not self._take(limit, owner, seconds, sql.LeaseFilter(classes), expired_first=True):
+            return []
+        with self.engine.connect() as conn:
+            rows = conn.execute(sql.select_leased_to_send(owner, inline_max)).all()
+        return [Leased(r.id, r.failureCount, r.taskClass, _utf8(r.rawData)) for r in rows]
+
+    def _take(
+        self, limit: int, owner: str, seconds: int, where: sql.LeaseFilter, expired_first: bool
+    ) -> int:
+        """Phorge's two lease phases, each its own transaction; returns the rows won."""
         check_owner(owner)
         check_seconds("lease seconds", seconds, minimum=1)
-        if limit <= 0 or (classes is not None and not classes) or (ids is not None and not ids):
-            return []
-        where = sql.LeaseFilter(classes, exclude_classes, ids)
+        if limit <= 0 or any(s is not None and not s for s in (where.classes, where.ids)):
+            return 0
         phases = [self._take_unleased, self._take_expired]
         won = 0
         for take_phase in reversed(phases) if expired_first else phases:
@@ -188,10 +218,7 @@ class PhorgeQueue:
             )
             if won >= limit:
                 break
-        if not won:
-            return []
-        with self.engine.connect() as conn:
-            return [_task(row) for row in conn.execute(sql.select_leased(owner)).all()]
+        return won
 
     @staticmethod
     def _take_unleased(conn, limit, owner, seconds, where) -> int:
@@ -204,11 +231,9 @@ class PhorgeQueue:
         rows = conn.execute(sql.select_expired(limit, where)).all()
         return conn.execute(sql.take_expired(rows, owner, seconds)).rowcount if rows else 0
 
-    def held(
-        self, task_id: int, owner: str, with_data: bool = True, *, failure_count: int | None = None
-    ) -> Task | None:
+    def held(self, task_id: int, owner: str, *, failure_count: int | None = None) -> Task | None:
         """The task if ``owner`` still holds its lease right now (a read, no write)."""
-        return self.session.held(Lease(task_id, owner, failure_count), with_data)
+        return self.session.held(Lease(task_id, owner, failure_count))
 
     def held_by_class(self, owner_prefix: str) -> dict[str, int]:
         """Live, running leases per task class of every owner starting with the prefix."""

@@ -48,8 +48,8 @@ class Compiled(NamedTuple):
     names: tuple[str, ...]
     defaults: dict[str, Any]
 
-    def params(self, values: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple(values[n] if n in values else self.defaults[n] for n in self.names)
+    def params(self, values: dict[str, Any]) -> list[Any]:
+        return [values[n] if n in values else self.defaults[n] for n in self.names]
 
 
 class Write(NamedTuple):
@@ -95,6 +95,7 @@ class LeaseSession:
         self.attempts = attempts
         self._mysql = is_mysql(engine)
         self._compiled: dict[int, Compiled] = {}
+        self._queries: dict[tuple[bool, tuple[str, ...]], str] = {}  # by (read, parts)
         self._connection: Any = None
         # Follow-ups need ids from lisk_counter and data rows first: a rare path that
         # runs the same archive statements through SQLAlchemy (PhorgeQueue).
@@ -158,9 +159,11 @@ class LeaseSession:
         what: str,
         steps: Sequence[tuple[ClauseElement, dict[str, Any]]],
         read: tuple[ClauseElement, dict[str, Any]] | None = None,
+        data_json: str | None = None,
     ) -> tuple[list[int], Task | None]:
         """``steps`` in one transaction, then ``read`` (one row, after the commit), in one
-        round trip on MariaDB; returns each step's row count and the row read."""
+        round trip on MariaDB; returns each step's row count and the row read (with
+        ``data_json`` as its data, when given)."""
 
         def work(cursor) -> tuple[list[int], Task | None]:
             compiled = [(self._compile(statement), values) for statement, values in steps]
@@ -176,23 +179,18 @@ class LeaseSession:
                 if query is None:
                     return counts, None
                 cursor.execute(query[0].sql, query[0].params(query[1]))
-                return counts, _task(cursor)
-            parts = [c.sql for c, _ in compiled]
-            if parts:
-                parts = ["START TRANSACTION", *parts, "COMMIT"]
-            params = [p for c, values in compiled for p in c.params(values)]
+                return counts, _task(cursor, data_json)
             if query is not None:
-                parts.append(query[0].sql)
-                params.extend(query[0].params(query[1]))
-            cursor.execute(";".join(parts), tuple(params))
+                compiled.append(query)
+            cursor.execute(self._query(compiled, query is not None), _params(compiled))
             counts = []
-            for _ in compiled:
+            for _ in steps:
                 cursor.nextset()  # past START TRANSACTION, then each step
                 counts.append(cursor.rowcount)
-            if compiled and query is not None:
+            if steps and query is not None:
                 cursor.nextset()  # past COMMIT
                 cursor.nextset()
-            task = _task(cursor) if query is not None else None
+            task = _task(cursor, data_json) if query is not None else None
             while cursor.nextset():
                 pass
             return counts, task
@@ -202,6 +200,19 @@ class LeaseSession:
             self._dbapi().rollback()  # end SQLite's implicit read
         return result
 
+    def _query(self, compiled: list[tuple[Compiled, Any]], read: bool) -> str:
+        """The multi-statement SQL of one round trip: the steps in a transaction, then the
+        read (the last one, when ``read``); joined once per shape."""
+        key = (read, tuple(c.sql for c, _ in compiled))
+        query = self._queries.get(key)
+        if query is None:
+            parts = list(key[1])
+            steps = parts[:-1] if read else parts
+            if steps:
+                parts = ["START TRANSACTION", *steps, "COMMIT", *parts[len(steps) :]]
+            query = self._queries[key] = ";".join(parts)
+        return query
+
     def apply(self, writes: Sequence[Write]) -> list[bool]:
         """Write ``writes`` in one transaction (one round trip, one commit); returns
         whether each one's fence held. A lost fence writes nothing for its task alone."""
@@ -210,20 +221,22 @@ class LeaseSession:
 
     # -- the per-task path ------------------------------------------------------------
 
-    def held(self, lease: Lease, with_data: bool = True) -> Task | None:
-        """The task if ``lease`` still holds right now (a read, no write)."""
-        return self.write_then_check((), lease, with_data)[1]
+    def held(self, lease: Lease, data_json: str | None = None) -> Task | None:
+        """The task if ``lease`` still holds right now (a read, no write); its data is
+        ``data_json`` (as its message carried it), else read with the row."""
+        return self.write_then_check((), lease, data_json)[1]
 
     def write_then_check(
-        self, writes: Sequence[Write], lease: Lease, with_data: bool = True
+        self, writes: Sequence[Write], lease: Lease, data_json: str | None = None
     ) -> tuple[list[bool], Task | None]:
         """Write the outcomes of the tasks run before (committed first), then check the
         next task's lease, in one round trip: a batch's tasks cost one round trip each."""
-        statement = sql.HELD_WITH_DATA if with_data else sql.HELD
+        statement = sql.HELD if data_json is not None else sql.HELD_WITH_DATA
         counts, task = self._script(
             f"task {lease.task_id}",
             [step for write in writes for step in write.steps],
             (statement, _fence(lease)),
+            data_json,
         )
         return _held(writes, counts), task
 
@@ -290,12 +303,18 @@ def _held(writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:
     return held
 
 
-def _task(cursor: Any) -> Task | None:
+def _params(compiled: list[tuple[Compiled, dict[str, Any]]]) -> list[Any]:
+    return [p for c, values in compiled for p in c.params(values)]
+
+
+def _task(cursor: Any, data_json: str | None) -> Task | None:
     row = cursor.fetchone()
     if row is None:
         return None
-    names = [column[0] for column in cursor.description]
-    return task_from_row(dict(zip(names, row, strict=True)))
+    fields = dict(zip([column[0] for column in cursor.description], row, strict=True))
+    if data_json is not None:
+        fields["rawData"] = data_json
+    return task_from_row(fields)
 
 
 def _fence(lease: Lease) -> dict[str, Any]:

@@ -183,6 +183,19 @@ def select_leased(owner: str) -> Select:
     return _with_data(query).order_by(active.c.priority, active.c.id)
 
 
+def select_leased_to_send(owner: str, inline_max: int) -> Select:
+    """The rows a dispatch lease just won, as their messages carry them: the fence, the
+    class, and the data (undecoded bytes) only when it is at most ``inline_max`` bytes."""
+    data = taskdata.c.data
+    small = case((func.length(data) <= inline_max, cast(data, LargeBinary)), else_=None)
+    query = select(
+        active.c.id, active.c.failureCount, active.c.taskClass, small.label("rawData")
+    ).where(active.c.leaseOwner == owner, active.c.leaseExpires > db_now())
+    return query.select_from(active.outerjoin(taskdata, taskdata.c.id == active.c.dataID)).order_by(
+        active.c.priority, active.c.id
+    )
+
+
 def _held_by(owner: str) -> ColumnElement[bool]:
     return and_(active.c.leaseOwner == owner, active.c.leaseExpires > db_now())
 

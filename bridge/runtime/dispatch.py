@@ -12,13 +12,15 @@ Celery task per Phorge task (Flower shows each one's state).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from kombu import Queue
 from kombu.utils.uuid import uuid
 
 from bridge.celery import app
+from bridge.queue.model import Leased
 from bridge.runtime.metrics import DISPATCHED
 from bridge.runtime.tracing import TRACEPARENT_HEADER, TaskTrace, new_traceparent, traced
 
@@ -27,19 +29,6 @@ log = logging.getLogger(__name__)
 EXECUTE_TASK = "bridge.execute"
 EXECUTE_BATCH = "bridge.execute_batch"
 SPREAD = 32
-
-
-class Leased(NamedTuple):
-    """A leased task as its message carries it (the owner is the message's)."""
-
-    id: int
-    failure_count: int
-    task_class: str | None = None
-    data: str | None = None  # its JSON, when small enough to travel inline
-
-    @property
-    def label(self) -> str:
-        return f"{self.task_class}#{self.id}" if self.task_class else f"#{self.id}"
 
 
 def batch_size(in_flight: int, batch_max: int) -> int:
@@ -107,10 +96,12 @@ def send(owner: str, tasks: Sequence[Leased], queue: str, size: int, mark: bool 
                 publish(producer, target, name, args, kwargs, argsrepr, traceparent)
             except Exception as exc:
                 log.error("dispatch to %s failed after %d of %d: %s", queue, sent, len(tasks), exc)
-                return sent
+                break
             sent += len(group)
-            for task in group:
-                DISPATCHED.labels(queue=queue, task_class=task.task_class).inc()
-                with traced(TaskTrace(task.id, task.task_class, owner, traceparent)):
-                    log.info("%s: dispatched to %s", task.label, queue)
+            if log.isEnabledFor(logging.INFO):
+                for task in group:
+                    with traced(TaskTrace(task.id, task.task_class, owner, traceparent)):
+                        log.info("%s: dispatched to %s", task.label, queue)
+    for task_class, n in Counter(task.task_class for task in tasks[:sent]).items():
+        DISPATCHED.labels(queue=queue, task_class=task_class).inc(n)
     return sent

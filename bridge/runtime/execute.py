@@ -15,7 +15,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from celery.exceptions import Retry
@@ -24,8 +24,8 @@ from celery.signals import task_postrun, task_prerun
 from bridge.celery import app
 from bridge.handlers.api import TaskContext
 from bridge.handlers.outcome import HandlerResult, policy, run_handler
-from bridge.phorge.php import decode_data
 from bridge.queue import Lease, Outcome, Task
+from bridge.queue.model import Leased
 from bridge.queue.retry import DatabaseUnavailable
 from bridge.queue.session import (
     Write,
@@ -35,7 +35,7 @@ from bridge.queue.session import (
     yielded,
 )
 from bridge.runtime.context import Runtime, runtime
-from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, Leased, send
+from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, send
 from bridge.runtime.metrics import DURATION, OUTCOMES, RENEWALS, WALL_TIME
 from bridge.runtime.tracing import (
     TRACEPARENT_HEADER,
@@ -151,15 +151,12 @@ def attempt(
     rt: Runtime,
     lease: Lease,
     task: Task | None,
-    data_json: str | None = None,
     traceparent: str | None = None,
 ) -> Ran | Done:
     """Run a task its check found (``task``, None when the lease no longer held); returns
     how the run ended, final (``Ran``) or with an outcome to write (``Done``)."""
     if task is None:
         return Ran(Outcome.LEASE_LOST, "the lease was no longer held before the run")
-    if data_json is not None:
-        task = _with_inline_data(task, data_json)
     handler = rt.registry.handler_for(task.taskClass)
     if handler is None:
         # Configuration changed since the poll: give the row back to whoever can run it.
@@ -191,11 +188,6 @@ def attempt(
     if watch.lost:
         return Ran(Outcome.LEASE_LOST, "the lease expired while the handler ran")
     return Done(lease, result, ctx)
-
-
-def _with_inline_data(task: Task, data_json: str) -> Task:
-    data, error = decode_data(data_json)
-    return replace(task, data=data, rawData=data_json, dataError=error)
 
 
 def retry_wait(rt: Runtime, ctx: TaskContext, declared: int | None) -> int:
@@ -293,7 +285,7 @@ class Batch:
     def step(self, item: Leased) -> None:
         lease = Lease(item.id, self.owner, item.failure_count)
         with traced(self.trace(item)):
-            ran = attempt(self.rt, lease, self.check(item, lease), item.data, self.traceparent)
+            ran = attempt(self.rt, lease, self.check(item, lease), self.traceparent)
             if isinstance(ran, Ran):
                 self.record(item, ran)
                 return
@@ -307,19 +299,19 @@ class Batch:
 
     def check(self, item: Leased, lease: Lease) -> Task | None:
         """The check of ``lease``, sharing its round trip with the pending outcome."""
-        session, with_data = self.rt.queue.session, item.data is None
+        session = self.rt.queue.session
         if self.pending is None:
-            return session.held(lease, with_data)
+            return session.held(lease, item.data)
         assert self.pending.write is not None
         try:
-            written, task = session.write_then_check([self.pending.write], lease, with_data)
+            written, task = session.write_then_check([self.pending.write], lease, item.data)
         except DatabaseUnavailable as exc:
             self.settle(exc)
             raise
         except Exception:
             # The server refused the pending outcome: it is tried, and fails, alone.
             self.flush()
-            return session.held(lease, with_data)
+            return session.held(lease, item.data)
         self.settle(written[0])
         return task
 

@@ -16,12 +16,11 @@ from collections import defaultdict
 
 from bridge.celery import app
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
-from bridge.queue import Task
-from bridge.queue.model import new_owner
+from bridge.queue.model import Leased, new_owner
 from bridge.queue.retry import DatabaseUnavailable, is_transient
 from bridge.runtime.consumers import ConsumerWatch, survey
 from bridge.runtime.context import Runtime, runtime
-from bridge.runtime.dispatch import Leased, batch_size, send
+from bridge.runtime.dispatch import batch_size, send
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +45,16 @@ def plan(rt: Runtime) -> dict[str, list[str]]:
     return by_queue
 
 
-def dispatch(rt: Runtime, tasks: list[Task], owner: str, queue: str, limit: int, held: int) -> int:
+def dispatch(
+    rt: Runtime, tasks: list[Leased], owner: str, queue: str, limit: int, held: int
+) -> int:
     """Send leased rows to their queue (which held ``held`` leases before them); returns
     how many were sent before any error.
 
     A dispatch that took at least half the capacity marks its middle message to ask for
     the next poll once it has run."""
-    inline_max = rt.settings.inline_data_max
-    leased = [
-        Leased(
-            t.id,
-            t.failureCount,
-            t.taskClass,
-            t.rawData if t.rawData is not None and len(t.rawData) <= inline_max else None,
-        )
-        for t in tasks
-    ]
     size = batch_size(held + len(tasks), rt.settings.batch_max)
-    return send(owner, leased, queue, size, mark=len(tasks) >= max(1, limit // 2))
+    return send(owner, tasks, queue, size, mark=len(tasks) >= max(1, limit // 2))
 
 
 def poll_once(rt: Runtime) -> int:
@@ -84,8 +75,8 @@ def poll_once(rt: Runtime) -> int:
                 continue
             # The owner's epoch is the database's clock, as failureTime is.
             owner = new_owner(settings.owner_prefix, now)
-            tasks = rt.queue.lease(
-                capacity, owner, settings.dispatch_lease, classes=classes, expired_first=True
+            tasks = rt.queue.lease_to_send(
+                capacity, owner, settings.dispatch_lease, classes, settings.inline_data_max
             )
             done = dispatch(rt, tasks, owner, queue, limit, in_flight)
             if done < len(tasks):

@@ -42,18 +42,21 @@ class SqlPath:
 
 def sql_path() -> SqlPath:
     """The bridge's lease and execute functions, configured from the ``BRIDGE_*`` env."""
-    from bridge.queue.model import new_owner
+    from bridge.queue.model import Leased, new_owner
     from bridge.runtime.context import runtime
-    from bridge.runtime.dispatch import Leased, batch_size
+    from bridge.runtime.dispatch import batch_size
     from bridge.runtime.execute import Batch
 
     rt = runtime()
     settings = rt.settings
 
     def lease(limit: int) -> list[LeasedTask]:
-        owner = new_owner(settings.owner_prefix)
-        tasks = rt.queue.lease(limit, owner, settings.dispatch_lease)
-        return [LeasedTask(t.id, t.leaseOwner, t.failureCount, t.rawData) for t in tasks]
+        # As a poll does: the classes present, then the dispatch lease.
+        owner, classes = new_owner(settings.owner_prefix), rt.queue.task_classes()
+        tasks = rt.queue.lease_to_send(
+            limit, owner, settings.dispatch_lease, classes, settings.inline_data_max
+        )
+        return [LeasedTask(t.id, owner, t.failure_count, t.data) for t in tasks]
 
     def execute(tasks: list[LeasedTask]) -> list[str]:
         # As a dispatch sends them: the fence and the data inline, a message's worth at a

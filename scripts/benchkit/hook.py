@@ -4,12 +4,12 @@ The bench writes a one-line ``sitecustomize.py`` (``from benchkit import hook;
 hook.install()``) into a temporary directory at the head of the processes' PYTHONPATH,
 so the bridge itself is measured unmodified. In every process it:
 
-- counts database requests where they leave the process: MySQLdb's ``query`` (every
-  cursor execute, one round trip, possibly several ``;``-separated statements),
-  ``commit``, ``rollback``, ``ping`` (pool pre-ping) and ``autocommit``. SQLAlchemy's
-  engine events would miss statements sent on a raw DBAPI connection (the bridge's
-  per-task session does that), so the count is taken one layer down, below
-  SQLAlchemy, which every consumer here goes through;
+- counts database requests where they leave the process: MySQLdb's cursor ``execute``
+  (one round trip, possibly several ``;``-separated statements, split once per SQL
+  text), any other ``query``, ``commit``, ``rollback``, ``ping`` (pool pre-ping) and
+  ``autocommit``. SQLAlchemy's engine events would miss statements sent on a raw DBAPI
+  connection (the bridge's per-task session does that), so the count is taken one
+  layer down, below SQLAlchemy, which every consumer here goes through;
 - records each finished Celery task (``task_prerun``/``task_postrun``): its first
   argument (the Phorge task id for ``bridge.execute``), start and end (``time.time()``),
   thread CPU, and the counters so far (``records.RecordWriter``); in a bridge worker
@@ -34,8 +34,9 @@ RECORD_DIR_ENV = "BENCH_RECORD_DIR"
 READY_DIR_ENV = "BENCH_READY_DIR"
 BRIDGE_RUNS_ENV = "BENCH_BRIDGE_RUNS"  # set for bridge workers: record each Phorge task
 
-# A quoted string or identifier (backslash escapes included), or a statement separator.
-_TOKENS = re.compile(rb"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|`[^`]*`|;", re.DOTALL)
+# A quoted string or identifier, backslash escapes included (unrolled: the hook runs on
+# every query of the measured process, so it must cost it little).
+_QUOTED = re.compile(rb"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"|`[^`]*`", re.DOTALL)
 _KINDS = {b"START": "begins", b"BEGIN": "begins", b"COMMIT": "commits", b"ROLLBACK": "rollbacks"}
 
 _counters = CounterBox()
@@ -61,22 +62,35 @@ def counters() -> CounterBox:
 
 
 def statements(query: bytes) -> list[bytes]:
-    """The ``;``-separated statements of one query (separators inside quotes ignored)."""
+    """The ``;``-separated statements of one query (separators inside quotes ignored),
+    each with its quoted strings and identifiers replaced by ``?``."""
     if b";" not in query:
         return [query]
-    parts, start = [], 0
-    for token in _TOKENS.finditer(query):
-        if token.group() == b";":
-            parts.append(query[start : token.start()])
-            start = token.end()
-    parts.append(query[start:])
-    return [part for part in parts if part.strip()]
+    return [part for part in _QUOTED.sub(b"?", query).split(b";") if part.strip()]
 
 
 def count_query(query: bytes | str) -> None:
     """Count one query: a round trip, and each of its statements by kind."""
+    _counters.bump("round_trips", *_kinds(query))
+
+
+def _kinds(query: bytes | str) -> list[str]:
     raw = query.encode() if isinstance(query, str) else bytes(query)
-    kinds = [_KINDS.get(_keyword(statement), "statements") for statement in statements(raw)]
+    return [_KINDS.get(_keyword(statement), "statements") for statement in statements(raw)]
+
+
+_template_kinds: dict[str, list[str]] = {}
+_TEMPLATES_KEPT = 10_000  # distinct SQL texts remembered (IN lists make some vary)
+
+
+def count_template(template: str) -> None:
+    """Count one cursor execute by its SQL before the parameters go in: the same
+    statements (a parameter is quoted, so it adds no separator), split once per text."""
+    kinds = _template_kinds.get(template)
+    if kinds is None:
+        kinds = _kinds(template)
+        if len(_template_kinds) < _TEMPLATES_KEPT:
+            _template_kinds[template] = kinds
     _counters.bump("round_trips", *kinds)
 
 
@@ -88,14 +102,29 @@ def _keyword(statement: bytes) -> bytes:
 def _count_database_requests() -> None:
     """Wrap MySQLdb's Connection methods that each make one round trip to the server."""
     from MySQLdb.connections import Connection
+    from MySQLdb.cursors import BaseCursor
 
-    original_query = Connection.query
+    original_query, original_execute = Connection.query, BaseCursor.execute
+    executing = threading.local()  # inside a cursor execute, counted by its template
 
     def query(self: Any, sql: Any) -> Any:
-        count_query(sql)
+        if not getattr(executing, "on", False):
+            count_query(sql)  # executemany's bulk insert, or a bare connection query
         return original_query(self, sql)
 
+    def execute(self: Any, sql: Any, args: Any = None) -> Any:
+        if isinstance(sql, bytes):
+            count_query(sql)
+        else:
+            count_template(sql)
+        executing.on = True
+        try:
+            return original_execute(self, sql, args)
+        finally:
+            executing.on = False
+
     Connection.query = query  # type: ignore[method-assign]
+    BaseCursor.execute = execute  # type: ignore[method-assign]
     for name, kind in (
         ("commit", "commits"),
         ("rollback", "rollbacks"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from bad_rows import corrupt_data
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_result
 from sqlalchemy import Engine, event, update
 
@@ -146,6 +147,25 @@ def test_large_data_stays_in_the_database(make_runtime, sent):
     poll_once(rt)
     data = {m.task_id: m.data for m in sent}
     assert data == {small: '{"n":1}', large: None}
+
+
+def test_the_inline_limit_counts_bytes_not_characters(make_runtime, sent):
+    rt = make_runtime(INLINE_DATA_MAX="20")
+    [ascii_] = enqueue(rt, FAST, data={"t": "x" * 12})  # {"t":"xxxxxxxxxxxx"}: 20 bytes
+    [accented] = enqueue(rt, FAST, data={"t": "é" * 12})  # 20 characters, 32 bytes
+    poll_once(rt)
+    data = {m.task_id: m.data for m in sent}
+    assert data == {ascii_: '{"t":"' + "x" * 12 + '"}', accented: None}
+
+
+def test_a_non_utf8_data_row_is_sent_without_its_data_and_leases_the_rest(make_runtime, sent):
+    rt = make_runtime()
+    ids = enqueue(rt, FAST, 3, data={"n": 1})
+    corrupt_data(rt.queue, ids[1])
+    assert poll_once(rt) == 3
+    data = {m.task_id: m.data for m in sent}
+    # The worker reads it from the database and fails that task alone (test_execute).
+    assert data == {ids[0]: '{"n":1}', ids[1]: None, ids[2]: '{"n":1}'}
 
 
 def test_each_queue_leases_only_up_to_its_free_capacity(make_runtime, sent):
