@@ -113,10 +113,10 @@ def _count_database_requests() -> None:
         return original_query(self, sql)
 
     def execute(self: Any, sql: Any, args: Any = None) -> Any:
-        if isinstance(sql, bytes):
-            count_query(sql)
-        else:
+        if isinstance(sql, str):
             count_template(sql)
+        else:  # executemany's bulk insert passes the finished query, as a bytearray
+            count_query(sql)
         executing.on = True
         try:
             return original_execute(self, sql, args)
