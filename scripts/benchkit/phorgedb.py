@@ -18,6 +18,9 @@ TASK_CLASS = "PhabricatorTestWorker"
 PRIORITY_DEFAULT = 2000
 WORKER_TABLES = ("worker_activetask", "worker_archivetask", "worker_taskdata", "lisk_counter")
 STATUS_NAMES = ("Questions", "Com_commit", "Com_rollback", "Handler_commit")
+# Writes of the redo log, each flushed to disk with durable commits: one per group of
+# commits that wrote. Global only, and the bench's own reads never write it.
+GLOBAL_ONLY_NAMES = ("Innodb_log_writes",)
 
 # LiskDAO::loadNextCounterValue, with +n instead of +1 so that one statement takes a batch.
 NEXT_IDS = (
@@ -164,7 +167,8 @@ def check_archived(conn: MySQLdb.Connection, batch: Batch) -> list[str]:
 def status(conn: MySQLdb.Connection, scope: str) -> dict[str, int]:
     """Some of the server's GLOBAL or SESSION status counters."""
     cur = conn.cursor()
-    names = ", ".join(f"'{name}'" for name in STATUS_NAMES)
+    wanted = STATUS_NAMES + (GLOBAL_ONLY_NAMES if scope == "GLOBAL" else ())
+    names = ", ".join(f"'{name}'" for name in wanted)
     cur.execute(f"SHOW {scope} STATUS WHERE Variable_name IN ({names})")
     return {name: int(value) for name, value in cur.fetchall()}
 
@@ -182,12 +186,15 @@ class ServerSample:
 
     def others_since(self, before: ServerSample, offset: dict[str, int]) -> dict[str, int]:
         """What clients other than this connection did between the two samples."""
-        return {
+        others = {
             name: (self.global_[name] - before.global_[name])
             - (self.session[name] - before.session[name])
             - offset.get(name, 0)
             for name in STATUS_NAMES
         }
+        for name in GLOBAL_ONLY_NAMES:
+            others[name] = self.global_[name] - before.global_[name]
+        return others
 
 
 def calibrate(conn: MySQLdb.Connection) -> dict[str, int]:
