@@ -95,7 +95,7 @@ class LeaseSession:
         self.attempts = attempts
         self._mysql = is_mysql(engine)
         self._compiled: dict[int, Compiled] = {}
-        self._queries: dict[tuple[bool, tuple[str, ...]], str] = {}  # by (read, parts)
+        self._queries: dict[tuple[tuple[str, ...], str | None], str] = {}  # by shape
         self._connection: Any = None
         # Follow-ups need ids from lisk_counter and data rows first: a rare path that
         # runs the same archive statements through SQLAlchemy (PhorgeQueue).
@@ -180,9 +180,11 @@ class LeaseSession:
                     return counts, None
                 cursor.execute(query[0].sql, query[0].params(query[1]))
                 return counts, _task(cursor, data_json)
+            steps_sql = tuple(c.sql for c, _ in compiled)
             if query is not None:
                 compiled.append(query)
-            cursor.execute(self._query(compiled, query is not None), _params(compiled))
+            sql_text = self._query(steps_sql, query[0].sql if query is not None else None)
+            cursor.execute(sql_text, _params(compiled))
             counts = []
             for _ in steps:
                 cursor.nextset()  # past START TRANSACTION, then each step
@@ -200,17 +202,15 @@ class LeaseSession:
             self._dbapi().rollback()  # end SQLite's implicit read
         return result
 
-    def _query(self, compiled: list[tuple[Compiled, Any]], read: bool) -> str:
-        """The multi-statement SQL of one round trip: the steps in a transaction, then the
-        read (the last one, when ``read``); joined once per shape."""
-        key = (read, tuple(c.sql for c, _ in compiled))
-        query = self._queries.get(key)
+    def _query(self, steps: tuple[str, ...], read: str | None) -> str:
+        """The multi-statement SQL of one round trip: ``steps`` in a transaction, then
+        ``read``; joined once per shape."""
+        query = self._queries.get((steps, read))
         if query is None:
-            parts = list(key[1])
-            steps = parts[:-1] if read else parts
-            if steps:
-                parts = ["START TRANSACTION", *steps, "COMMIT", *parts[len(steps) :]]
-            query = self._queries[key] = ";".join(parts)
+            parts = ["START TRANSACTION", *steps, "COMMIT"] if steps else []
+            if read is not None:
+                parts.append(read)
+            query = self._queries[(steps, read)] = ";".join(parts)
         return query
 
     def apply(self, writes: Sequence[Write]) -> list[bool]:

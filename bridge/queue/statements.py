@@ -17,6 +17,7 @@ from sqlalchemy import (
     Delete,
     Insert,
     Integer,
+    Join,
     LargeBinary,
     Select,
     String,
@@ -168,18 +169,19 @@ def _data_bytes() -> ColumnElement[bytes]:
     return cast(taskdata.c.data, LargeBinary).label("rawData")
 
 
+def _active_with_data() -> Join:
+    """The active rows joined to their data rows (NULL data when one is missing)."""
+    return active.outerjoin(taskdata, taskdata.c.id == active.c.dataID)
+
+
 def _with_data(query: Select) -> Select:
     """``query`` plus the row's data (NULL when the data row is missing)."""
-    return query.add_columns(_data_bytes()).select_from(
-        active.outerjoin(taskdata, taskdata.c.id == active.c.dataID)
-    )
+    return query.add_columns(_data_bytes()).select_from(_active_with_data())
 
 
 def select_leased(owner: str) -> Select:
     """The rows a lease just won, with their data and the server's clock."""
-    query = select(active, db_now().label("serverTime")).where(
-        active.c.leaseOwner == owner, active.c.leaseExpires > db_now()
-    )
+    query = select(active, db_now().label("serverTime")).where(_held_by(owner))
     return _with_data(query).order_by(active.c.priority, active.c.id)
 
 
@@ -188,11 +190,11 @@ def select_leased_to_send(owner: str, inline_max: int) -> Select:
     class, and the data (undecoded bytes) only when it is at most ``inline_max`` bytes."""
     data = taskdata.c.data
     small = case((func.length(data) <= inline_max, cast(data, LargeBinary)), else_=None)
-    query = select(
-        active.c.id, active.c.failureCount, active.c.taskClass, small.label("rawData")
-    ).where(active.c.leaseOwner == owner, active.c.leaseExpires > db_now())
-    return query.select_from(active.outerjoin(taskdata, taskdata.c.id == active.c.dataID)).order_by(
-        active.c.priority, active.c.id
+    query = select(active.c.id, active.c.failureCount, active.c.taskClass, small.label("rawData"))
+    return (
+        query.select_from(_active_with_data())
+        .where(_held_by(owner))
+        .order_by(active.c.priority, active.c.id)
     )
 
 
