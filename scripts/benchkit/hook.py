@@ -109,7 +109,7 @@ def _count_database_requests() -> None:
 
     def query(self: Any, sql: Any) -> Any:
         if not getattr(executing, "on", False):
-            count_query(sql)  # executemany's bulk insert, or a bare connection query
+            count_query(sql)  # a query sent on the connection itself, not a cursor
         return original_query(self, sql)
 
     def execute(self: Any, sql: Any, args: Any = None) -> Any:
