@@ -84,6 +84,7 @@ class Registry:
         self.fallback = fallback
         self.include = tuple(include)
         self.exclude = tuple(exclude)
+        self._served: dict[str, Handler | None] = {}  # handler_for's answers, per class
 
     def allowed(self, task_class: str) -> bool:
         return any(fnmatchcase(task_class, g) for g in self.include) and not any(
@@ -91,10 +92,14 @@ class Registry:
         )
 
     def handler_for(self, task_class: str) -> Handler | None:
-        """The handler for a class, or None when the bridge must not run it."""
-        if not self.allowed(task_class):
-            return None
-        return self.native.get(task_class, self.fallback)
+        """The handler for a class, or None when the bridge must not run it (matched
+        against the patterns once per class: every task asks)."""
+        try:
+            return self._served[task_class]
+        except KeyError:
+            handler = self.native.get(task_class, self.fallback)
+            served = handler if self.allowed(task_class) else None
+            return self._served.setdefault(task_class, served)
 
     def runnable(self, task_classes: Iterable[str]) -> list[str]:
         return [c for c in task_classes if self.handler_for(c) is not None]

@@ -51,6 +51,10 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# One decoder for every row: json.loads builds a new one for each call with an option.
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def decode_data(raw: str | bytes | None) -> tuple[Any, str | None]:
     """Decode a data row; a missing, non-UTF-8 or corrupt row is an error string, never raised.
 
@@ -65,7 +69,7 @@ def decode_data(raw: str | bytes | None) -> tuple[Any, str | None]:
         except UnicodeDecodeError as exc:
             return None, f"the task's data row is not valid UTF-8: {exc}"
     try:
-        return json.loads(raw, parse_constant=_refuse_constant), None
+        return _DECODER.decode(raw), None
     except ValueError as exc:
         return None, f"the task's data row is not valid JSON: {exc}"
 

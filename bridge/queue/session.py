@@ -179,23 +179,28 @@ class LeaseSession:
                 if query is None:
                     return counts, None
                 cursor.execute(query[0].sql, query[0].params(query[1]))
-                return counts, _task(cursor, data_json)
+                return counts, _task(cursor.fetchone(), cursor.description, data_json)
             steps_sql = tuple(c.sql for c, _ in compiled)
             if query is not None:
                 compiled.append(query)
             sql_text = self._query(steps_sql, query[0].sql if query is not None else None)
             cursor.execute(sql_text, _params(compiled))
+            if not steps:
+                return [], _task(cursor.fetchone(), cursor.description, data_json)
+            # The results after START TRANSACTION's, read on the driver's connection: the
+            # cursor would describe and fetch every one, and they are row counts but one.
+            db = cursor.connection
             counts = []
             for _ in steps:
-                cursor.nextset()  # past START TRANSACTION, then each step
-                counts.append(cursor.rowcount)
-            if steps and query is not None:
-                cursor.nextset()  # past COMMIT
-                cursor.nextset()
-            task = _task(cursor, data_json) if query is not None else None
-            while cursor.nextset():
-                pass
-            return counts, task
+                db.next_result()
+                counts.append(db.affected_rows())
+            db.next_result()  # COMMIT
+            if query is None:
+                return counts, None
+            db.next_result()
+            result = db.store_result()
+            rows = result.fetch_row()
+            return counts, _task(rows[0] if rows else None, result.describe(), data_json)
 
         result = self._run(what, work)
         if read is not None and not self._mysql:
@@ -307,11 +312,11 @@ def _params(compiled: list[tuple[Compiled, dict[str, Any]]]) -> list[Any]:
     return [p for c, values in compiled for p in c.params(values)]
 
 
-def _task(cursor: Any, data_json: str | None) -> Task | None:
-    row = cursor.fetchone()
+def _task(row: tuple | None, description: Sequence[tuple], data_json: str | None) -> Task | None:
+    """The Task of a row read with its ``description`` (the DB-API's)."""
     if row is None:
         return None
-    fields = dict(zip([column[0] for column in cursor.description], row, strict=True))
+    fields = dict(zip([column[0] for column in description], row, strict=True))
     if data_json is not None:
         fields["rawData"] = data_json
     return task_from_row(fields)

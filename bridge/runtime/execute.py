@@ -36,7 +36,7 @@ from bridge.queue.session import (
 )
 from bridge.runtime.context import Runtime, runtime
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, send
-from bridge.runtime.metrics import DURATION, OUTCOMES, RENEWALS, WALL_TIME
+from bridge.runtime.metrics import RENEWALS, outcome_counter, run_timers
 from bridge.runtime.tracing import (
     TRACEPARENT_HEADER,
     TaskTrace,
@@ -183,8 +183,9 @@ def attempt(
     started = time.perf_counter()
     with rt.keeper.watch(lease, task.label, remaining, budget) as watch:
         result = run_handler(handler, ctx)
-    WALL_TIME.labels(task_class=task.taskClass).observe(time.perf_counter() - started)
-    DURATION.labels(task_class=task.taskClass).observe(result.duration_us / 1e6)
+    wall_time, duration = run_timers(task.taskClass)
+    wall_time.observe(time.perf_counter() - started)
+    duration.observe(result.duration_us / 1e6)
     if watch.lost:
         return Ran(Outcome.LEASE_LOST, "the lease expired while the handler ran")
     return Done(lease, result, ctx)
@@ -323,7 +324,7 @@ class Batch:
 
     def record(self, item: Leased, ran: Ran) -> None:
         """Count and log how a task's run ended (under its trace)."""
-        OUTCOMES.labels(task_class=item.task_class or "unknown", outcome=ran.outcome.value).inc()
+        outcome_counter(item.task_class or "unknown", ran.outcome.value).inc()
         line = ran.describe(item.label)
         log.info("%s", line)
         self.ran.append((item, ran, line))

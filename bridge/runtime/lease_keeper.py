@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from bridge.queue import Lease, PhorgeQueue
@@ -21,16 +19,25 @@ from bridge.runtime.metrics import RENEWALS
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class Watch:
-    """One running task's lease, as the keeper tracks it."""
+    """One running task's lease, as the keeper tracks it while the ``with`` block runs
+    (a class, not a generator: every task enters one)."""
 
+    keeper: LeaseKeeper
     lease: Lease
     label: str
     length: int  # seconds a renewal asks for
     deadline: float  # monotonic time after which the budget is spent
     next_renewal: float
     lost: bool = False
+
+    def __enter__(self) -> Watch:
+        self.keeper._add(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.keeper._remove(self)
 
 
 class LeaseKeeper:
@@ -42,22 +49,23 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    @contextmanager
-    def watch(self, lease: Lease, label: str, length: int, budget: int) -> Iterator[Watch]:
-        """Keep ``lease`` renewed (``length`` seconds at a time) for at most ``budget`` s."""
+    def watch(self, lease: Lease, label: str, length: int, budget: int) -> Watch:
+        """Keep ``lease`` renewed (``length`` seconds at a time) for at most ``budget``
+        seconds, while ``with keeper.watch(...) as watch:`` runs."""
         now = time.monotonic()
         length = max(length, 3)
-        watch = Watch(lease, label, length, now + budget, now + length / 3)
+        return Watch(self, lease, label, length, now + budget, now + length / 3)
+
+    def _add(self, watch: Watch) -> None:
         with self._lock:
-            self._watches[lease.task_id] = watch
+            self._watches[watch.lease.task_id] = watch
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
                 self._thread.start()
-        try:
-            yield watch
-        finally:
-            with self._lock:
-                self._watches.pop(lease.task_id, None)
+
+    def _remove(self, watch: Watch) -> None:
+        with self._lock:
+            self._watches.pop(watch.lease.task_id, None)
 
     def _run(self) -> None:
         while True:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+from functools import cache
 
 from prometheus_client import (
     CollectorRegistry,
@@ -44,6 +45,21 @@ WALL_TIME = Histogram(
 RENEWALS = Counter(
     "phorge_bridge_lease_renewals_total", "Lease extensions (claims and heartbeats)", ["result"]
 )
+
+
+@cache
+def outcome_counter(task_class: str, outcome: str) -> Counter:
+    """:data:`OUTCOMES`' child for one class and outcome, looked up once: a run counts
+    its outcome on every task, and ``labels()`` costs more than the increment."""
+    return OUTCOMES.labels(task_class=task_class, outcome=outcome)
+
+
+@cache
+def run_timers(task_class: str) -> tuple[Histogram, Histogram]:
+    """:data:`WALL_TIME`' and :data:`DURATION`'s children for one class, looked up once."""
+    return WALL_TIME.labels(task_class=task_class), DURATION.labels(task_class=task_class)
+
+
 CONDUIT_BREAKER_OPEN = Gauge(
     "phorge_bridge_conduit_breaker_open",
     "1 while Conduit's circuit breaker holds PHP-only tasks back (max over processes)",

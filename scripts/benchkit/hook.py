@@ -40,8 +40,9 @@ _QUOTED = re.compile(rb"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"|`[
 _KINDS = {b"START": "begins", b"BEGIN": "begins", b"COMMIT": "commits", b"ROLLBACK": "rollbacks"}
 
 _counters = CounterBox()
+# Each task's start, by its id. No lock: a dict's set and pop are each atomic, and no
+# two threads run the same task.
 _started: dict[str, tuple[float, float]] = {}
-_started_lock = threading.Lock()
 
 
 def install() -> None:
@@ -71,27 +72,29 @@ def statements(query: bytes) -> list[bytes]:
 
 def count_query(query: bytes | str) -> None:
     """Count one query: a round trip, and each of its statements by kind."""
-    _counters.bump("round_trips", *_kinds(query))
+    _counters.bump(_indexes(query))
 
 
-def _kinds(query: bytes | str) -> list[str]:
+def _indexes(query: bytes | str) -> tuple[int, ...]:
+    """The counters one round trip of ``query`` bumps, as ``CounterBox.bump`` takes them."""
     raw = query.encode() if isinstance(query, str) else bytes(query)
-    return [_KINDS.get(_keyword(statement), "statements") for statement in statements(raw)]
+    kinds = [_KINDS.get(_keyword(statement), "statements") for statement in statements(raw)]
+    return CounterBox.indexes("round_trips", *kinds)
 
 
-_template_kinds: dict[str, list[str]] = {}
+_template_indexes: dict[str, tuple[int, ...]] = {}
 _TEMPLATES_KEPT = 10_000  # distinct SQL texts remembered (IN lists make some vary)
 
 
 def count_template(template: str) -> None:
     """Count one cursor execute by its SQL before the parameters go in: the same
     statements (a parameter is quoted, so it adds no separator), split once per text."""
-    kinds = _template_kinds.get(template)
-    if kinds is None:
-        kinds = _kinds(template)
-        if len(_template_kinds) < _TEMPLATES_KEPT:
-            _template_kinds[template] = kinds
-    _counters.bump("round_trips", *kinds)
+    indexes = _template_indexes.get(template)
+    if indexes is None:
+        indexes = _indexes(template)
+        if len(_template_indexes) < _TEMPLATES_KEPT:
+            _template_indexes[template] = indexes
+    _counters.bump(indexes)
 
 
 def _keyword(statement: bytes) -> bytes:
@@ -135,8 +138,10 @@ def _count_database_requests() -> None:
 
 
 def _counting(method: Any, kind: str) -> Any:
+    indexes = CounterBox.indexes(kind, "round_trips")
+
     def counted(self: Any, *args: Any) -> Any:
-        _counters.bump(kind, "round_trips")
+        _counters.bump(indexes)
         return method(self, *args)
 
     return counted
@@ -146,13 +151,11 @@ def _record_celery_tasks(writer: RecordWriter, ready_dir: str | None) -> None:
     from celery.signals import task_postrun, task_prerun, worker_ready
 
     def prerun(task_id: str, **_kwargs: Any) -> None:
-        with _started_lock:
-            _started[task_id] = (time.time(), time.thread_time())
+        _started[task_id] = (time.time(), time.thread_time())
 
     def postrun(task_id: str, task: Any, args: Any = None, **_kwargs: Any) -> None:
         end, cpu_end = time.time(), time.thread_time()
-        with _started_lock:
-            start, cpu_start = _started.pop(task_id, (end, cpu_end))
+        start, cpu_start = _started.pop(task_id, (end, cpu_end))
         first = args[0] if args else None
         phorge_id = first if isinstance(first, int) and not isinstance(first, bool) else None
         writer.write(task.name, phorge_id, start, end, cpu_end - cpu_start, _counters.snapshot())
@@ -172,16 +175,14 @@ def record_runs(writer: RecordWriter, name: str) -> None:
     carry several), from its run's start to its outcome's write, as ``name``."""
     from benchkit import bridge_api
 
-    runs: dict[int, tuple[float, float]] = {}
+    runs: dict[int, tuple[float, float]] = {}  # unlocked, as ``_started``
 
     def started(task_id: int) -> None:
-        with _started_lock:
-            runs[task_id] = (time.time(), time.thread_time())
+        runs[task_id] = (time.time(), time.thread_time())
 
     def ended(task_id: int) -> None:
         end, cpu_end = time.time(), time.thread_time()
-        with _started_lock:
-            start, cpu_start = runs.pop(task_id, (end, cpu_end))
+        start, cpu_start = runs.pop(task_id, (end, cpu_end))
         writer.write(name, task_id, start, end, cpu_end - cpu_start, _counters.snapshot())
 
     bridge_api.observe_runs(started, ended)

@@ -52,21 +52,36 @@ class Counters:
         return Counters(*map(max, self.as_tuple(), other.as_tuple()))
 
 
+COUNTER_NAMES = tuple(f.name for f in fields(Counters))
+
+
 class CounterBox:
-    """A process's cumulative counters, safe to bump from several threads."""
+    """A process's cumulative counters, safe to bump from several threads.
+
+    A plain list bumped by positions computed once (:meth:`indexes`), and read as a
+    tuple: the hook bumps it on every query and reads it on every task of the measured
+    process, whose CPU per task the bench reports.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values = Counters()
+        self._values = [0] * len(COUNTER_NAMES)
 
-    def bump(self, *names: str) -> None:
-        with self._lock:
-            for name in names:
-                setattr(self._values, name, getattr(self._values, name) + 1)
+    @staticmethod
+    def indexes(*names: str) -> tuple[int, ...]:
+        """The positions :meth:`bump` takes for ``names`` (a name given twice counts twice)."""
+        return tuple(COUNTER_NAMES.index(name) for name in names)
 
-    def snapshot(self) -> Counters:
+    def bump(self, indexes: tuple[int, ...]) -> None:
         with self._lock:
-            return Counters(*self._values.as_tuple())
+            values = self._values
+            for index in indexes:
+                values[index] += 1
+
+    def snapshot(self) -> tuple[int, ...]:
+        """The counters in ``Counters`` field order: ``Counters(*box.snapshot())``."""
+        with self._lock:
+            return tuple(self._values)
 
 
 @dataclass(frozen=True)
@@ -82,26 +97,37 @@ class Record:
     counters: Counters
 
 
+# What ``read_records`` parses: ``name tid start end cpu`` and the counters.
+_LINE = "%s %s %.6f %.6f %.6f" + " %d" * len(COUNTER_NAMES) + "\n"
+
+
 class RecordWriter:
-    """Appends records to ``<dir>/<pid>.rec``, reopening after a fork; thread-safe."""
+    """Appends records to ``<dir>/<pid>.rec``; thread-safe.
+
+    Made before the bridge's prefork pool forks, so a child must not write to its
+    parent's file: a fork hook drops the descriptor and the child's first write opens
+    its own (cheaper than comparing ``os.getpid()`` on every write).
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
-        self._pid = -1
-        self._fd = -1
+        self._fd = -1  # opened by the first write: a process that records nothing has no file
         self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget_parent_file)
 
-    def _file(self) -> int:
+    def _forget_parent_file(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
+
+    def _open(self) -> int:
         """This process's file, opened once even when threads race for it."""
-        pid = os.getpid()
-        if self._pid != pid:
-            with self._lock:
-                if self._pid != pid:
-                    path = self.directory / f"{pid}.rec"
-                    # The descriptor first: a thread that sees the pid must see it too.
-                    self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                    self._pid = pid
-        return self._fd
+        with self._lock:
+            if self._fd < 0:
+                path = self.directory / f"{os.getpid()}.rec"
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            return self._fd
 
     def write(
         self,
@@ -110,12 +136,14 @@ class RecordWriter:
         start: float,
         end: float,
         cpu: float,
-        counters: Counters,
+        counters: tuple[int, ...],
     ) -> None:
-        values = " ".join(map(str, counters.as_tuple()))
-        tid = "-" if task_id is None else str(task_id)
-        line = f"{name} {tid} {start:.6f} {end:.6f} {cpu:.6f} {values}\n"
-        os.write(self._file(), line.encode())
+        """Append one line; ``counters`` as :meth:`CounterBox.snapshot` gives them."""
+        fd = self._fd
+        if fd < 0:
+            fd = self._open()
+        tid = "-" if task_id is None else task_id
+        os.write(fd, (_LINE % (name, tid, start, end, cpu, *counters)).encode())
 
 
 def read_records(directory: Path) -> list[Record]:
@@ -125,7 +153,7 @@ def read_records(directory: Path) -> list[Record]:
         pid = int(path.stem)
         for line in path.read_text().splitlines():
             parts = line.split()
-            if len(parts) != 5 + len(fields(Counters)):
+            if len(parts) != 5 + len(COUNTER_NAMES):
                 continue  # a line still being written (cannot happen with O_APPEND; be safe)
             name, tid, start, end, cpu, *counts = parts
             records.append(

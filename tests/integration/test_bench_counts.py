@@ -6,6 +6,7 @@ from __future__ import annotations
 import MySQLdb
 import pytest
 from benchkit import hook
+from benchkit.records import Counters
 from MySQLdb.connections import Connection
 from MySQLdb.cursors import BaseCursor
 from sqlalchemy import Engine
@@ -31,9 +32,9 @@ def counted(monkeypatch, mysql_engine: Engine):
 
 
 def requests(run) -> dict[str, int]:
-    before = hook.counters().snapshot()
+    before = Counters(*hook.counters().snapshot())
     run()
-    return {k: v for k, v in vars(hook.counters().snapshot() - before).items() if v}
+    return {k: v for k, v in vars(Counters(*hook.counters().snapshot()) - before).items() if v}
 
 
 def drain(cursor) -> None:

@@ -4,7 +4,8 @@ task" figures are only as true as this split of a query into statements."""
 from __future__ import annotations
 
 import pytest
-from benchkit import hook
+from benchkit import bridge_api, hook
+from benchkit.records import Counters, RecordWriter, read_records
 
 OUTCOME_THEN_CHECK = (
     b"START TRANSACTION;INSERT INTO worker_archivetask (id) SELECT id FROM worker_activetask "
@@ -14,9 +15,9 @@ OUTCOME_THEN_CHECK = (
 
 
 def counted(query: bytes) -> dict[str, int]:
-    before = hook.counters().snapshot()
+    before = Counters(*hook.counters().snapshot())
     hook.count_query(query)
-    after = hook.counters().snapshot() - before
+    after = Counters(*hook.counters().snapshot()) - before
     return {k: v for k, v in vars(after).items() if v}
 
 
@@ -51,8 +52,27 @@ def test_a_query_without_separator_is_one_statement():
 
 def test_a_cursor_execute_is_counted_by_its_sql_before_the_parameters_go_in():
     template = OUTCOME_THEN_CHECK.decode().replace("'bridge:host:1:1700000000:ab:1'", "%s")
-    before = hook.counters().snapshot()
+    before = Counters(*hook.counters().snapshot())
     for _ in range(3):  # split once, counted every time
         hook.count_template(template)
-    after = hook.counters().snapshot() - before
+    after = Counters(*hook.counters().snapshot()) - before
     assert (after.round_trips, after.begins, after.commits, after.statements) == (3, 3, 3, 9)
+
+
+def test_each_phorge_task_run_is_one_record_with_the_counters_at_its_end(tmp_path, monkeypatch):
+    observed = {}
+    monkeypatch.setattr(
+        bridge_api, "observe_runs", lambda started, ended: observed.update(s=started, e=ended)
+    )
+    hook.record_runs(RecordWriter(tmp_path), "bridge.run")
+    observed["s"](7)
+    observed["s"](8)  # a batch: both runs are open at once
+    observed["e"](8)
+    hook.count_query(b"COMMIT")
+    observed["e"](7)
+
+    inner, outer = read_records(tmp_path)
+    assert [inner.task_id, outer.task_id] == [8, 7]
+    assert outer.start <= inner.start <= inner.end <= outer.end
+    assert outer.counters - inner.counters == Counters(commits=1, round_trips=1)
+    assert outer.counters == Counters(*hook.counters().snapshot())
