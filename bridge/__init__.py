@@ -1,11 +1,28 @@
 """phorge-bridge: run Phorge's work queue on Celery.
 
-What a handler author needs is importable from here; the testing helper is
-``bridge.handlers.testing.run``. Importing this package loads neither Celery nor a
-database driver (``celery -A bridge`` finds the app in ``bridge.celery``).
+The public API is importable from here: what a handler author needs (``Handler``,
+``@handler``, ``TaskContext`` and the outcome exceptions), the queue's records
+(``NewTask``, ``Task``, ``TaskFilter``, ``Outcome``), and every error the bridge raises
+on purpose, all under ``BridgeError``. The testing helper is
+``bridge.handlers.testing.run``; the queue itself is ``bridge.queue.PhorgeQueue``.
+Importing this package loads neither Celery nor a database driver (``celery -A bridge``
+finds the app in ``bridge.celery``).
 """
 
-from bridge.errors import BridgeError, ConfigError
+from bridge._version import __version__
+from bridge.errors import (
+    BatchNotDone,
+    BridgeError,
+    ConfigError,
+    DuplicateHandlerError,
+    LeaseLost,
+    OutcomeUnreported,
+    TaskFailed,
+    TaskFailedPermanently,
+    TaskNotDone,
+    TaskNotServed,
+    TaskYielded,
+)
 from bridge.handlers.api import (
     Handler,
     PermanentFailure,
@@ -15,18 +32,30 @@ from bridge.handlers.api import (
     handler,
 )
 from bridge.handlers.outcome import HandlerResult
-from bridge.queue.model import NewTask, Outcome
+from bridge.queue.model import NewTask, Outcome, Task, TaskFilter
 
 __all__ = [
+    "BatchNotDone",
     "BridgeError",
     "ConfigError",
+    "DuplicateHandlerError",
     "Handler",
     "HandlerResult",
+    "LeaseLost",
     "NewTask",
     "Outcome",
+    "OutcomeUnreported",
     "PermanentFailure",
+    "Task",
     "TaskContext",
+    "TaskFailed",
+    "TaskFailedPermanently",
+    "TaskFilter",
+    "TaskNotDone",
+    "TaskNotServed",
+    "TaskYielded",
     "TemporaryFailure",
     "Yield",
+    "__version__",
     "handler",
 ]

@@ -22,3 +22,42 @@ class ConfigError(BridgeError, ValueError):
 
 class DuplicateHandlerError(BridgeError):
     """Two handlers claim one task class: which one runs must not depend on load order."""
+
+
+class TaskNotDone(BridgeError):
+    """A run that did not end in success, raised so Celery and Flower record a FAILURE.
+
+    Expected (the Celery task's ``throws``): logged in one line without a traceback, and
+    the message is acked; the bridge, from the database, decides whether the task runs
+    again.
+    """
+
+
+class TaskFailed(TaskNotDone):
+    """A temporary failure: the bridge runs the task again after its wait."""
+
+
+class TaskFailedPermanently(TaskNotDone):
+    """A permanent failure: archived with result 1."""
+
+
+class LeaseLost(TaskNotDone):
+    """The lease was no longer this run's: nothing was written."""
+
+
+class TaskNotServed(TaskNotDone):
+    """No handler serves the class here any more: the lease was handed back."""
+
+
+class OutcomeUnreported(TaskNotDone):
+    """The database stayed unreachable: the lease will expire and the task run again."""
+
+
+class BatchNotDone(TaskNotDone):
+    """A batch in which some task did not succeed (or yield): each one's line follows."""
+
+
+class TaskYielded(TaskNotDone):
+    """A yield, raised inside Celery's ``Retry``: the RETRY state (Flower shows it apart
+    from successes and failures), though Celery sends nothing again: the poller leases
+    the row once the yield is over."""

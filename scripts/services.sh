@@ -11,6 +11,7 @@
 # See shared/services.md for why each flag is there.
 set -euo pipefail
 
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 run=${PHORGE_BRIDGE_SERVICES_DIR:-/tmp/phorge-bridge-services}
 mysql_port=${PHORGE_BRIDGE_TEST_MYSQL_PORT:-3307}
 redis_port=${PHORGE_BRIDGE_TEST_REDIS_PORT:-6379}
@@ -83,29 +84,14 @@ with amqp.Connection("127.0.0.1:5672"): pass'
 
 start_mysql() {
     mysql_up 2>/dev/null && { say "MariaDB: reusing 127.0.0.1:$mysql_port"; return; }
-    local d=$run/mariadb
-    if ! alive "$d/mysqld.pid"; then
-        # A fresh datadir every time: nothing leaks from one run into the next.
-        rm -rf "$d" && mkdir -p "$d"
-        mariadb-install-db --no-defaults --user=root --datadir="$d/data" \
-            --auth-root-authentication-method=normal --skip-test-db >"$d/install.log" 2>&1 \
-            || die "mariadb-install-db" "$d/install.log"
-        # --no-defaults keeps /etc/mysql out; the server settings are Phorge's
-        # (utf8mb4_bin, STRICT_ALL_TABLES). Durability is traded for speed:
-        # the data is thrown away anyway.
-        setsid mariadbd --no-defaults --user=root --datadir="$d/data" \
-            --socket="$d/mysqld.sock" --port="$mysql_port" --bind-address=127.0.0.1 \
-            --skip-name-resolve --pid-file="$d/mysqld.pid" --log-error="$d/mysqld.log" \
-            --character-set-server=utf8mb4 --collation-server=utf8mb4_bin \
-            --sql-mode=STRICT_ALL_TABLES --innodb-flush-log-at-trx-commit=0 \
-            --skip-innodb-doublewrite </dev/null >/dev/null 2>&1 &
-    fi
-    wait_for "$timeout" mariadb-admin --no-defaults --socket="$d/mysqld.sock" -uroot ping \
-        || die "MariaDB on 127.0.0.1:$mysql_port" "$d/mysqld.log"
-    mariadb --no-defaults --socket="$d/mysqld.sock" -uroot -e "
-        CREATE USER IF NOT EXISTS 'bridge'@'127.0.0.1' IDENTIFIED BY 'bridge';
-        GRANT ALL ON *.* TO 'bridge'@'127.0.0.1';"
-    mysql_up >/dev/null 2>&1 || die "MariaDB login as bridge" "$d/mysqld.log"
+    # The one MariaDB launcher (the fault suite's and the bench's too): a fresh datadir
+    # unless a server is already starting in $run/mariadb, Phorge's settings, durability
+    # traded for speed (the data is thrown away anyway), user bridge/bridge, who may
+    # create the least-privileged account the docs recommend (the read-only tests).
+    # It says why when the server does not come up.
+    python3 "$here/mariadb_launcher.py" start --dir "$run/mariadb" --port "$mysql_port" \
+        --timeout "$timeout" --grant-option || { say "ERROR: MariaDB on 127.0.0.1:$mysql_port"; exit 1; }
+    mysql_up >/dev/null 2>&1 || die "MariaDB login as bridge" "$run/mariadb/mysqld.log"
     say "MariaDB: started on 127.0.0.1:$mysql_port"
 }
 

@@ -2,7 +2,8 @@
 
 The services' addresses come from ``PHORGE_BRIDGE_TEST_*`` environment variables
 (``scripts/services.sh env``). A missing variable fails the test instead of
-skipping it: a skipped test proves nothing.
+skipping it: a skipped test proves nothing. The lookup and the throwaway databases are
+``tests/helpers/services.py``'s, shared with the bench kit's tests.
 
 MariaDB isolation: each test module gets its own database ``bridge_t_<hex>``
 with Phorge's four tables (about 35 ms to create), and every test starts from
@@ -13,20 +14,14 @@ start over. Unique names keep concurrent runs on one server apart.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import pytest
 import sqlalchemy as sa
+from services import MYSQL_URL, create_mysql_engine, database, service_url
 
 from bridge.queue.schema import metadata
-
-# What Phorge runs with: strict mode, UTC; utf8mb4 like its tables.
-MYSQL_CONNECT_ARGS = {
-    "charset": "utf8mb4",
-    "init_command": "SET sql_mode='STRICT_ALL_TABLES', time_zone='+00:00'",
-}
 
 # Tests that drive a real Phorge checkout are collected only when PHORGE_ROOT names one
 # (docs/operations.md, "Testing against a real Phorge"); otherwise they are not run at all.
@@ -35,18 +30,6 @@ if not os.environ.get("PHORGE_ROOT"):
 
 # Fixtures that reach each service, for marking tests (pytest -m "not mariadb").
 _SERVICE_MARKERS = {"mysql_url": "mariadb", "amqp_url": "rabbitmq", "redis_url": "redis"}
-
-
-def _service_url(variable: str) -> str:
-    url = os.environ.get(variable)
-    if not url:
-        pytest.fail(
-            f"{variable} is not set: run the tests with `bash scripts/test.sh`, which starts "
-            'MariaDB, RabbitMQ and Redis (or `eval "$(scripts/services.sh env)"` after '
-            "`scripts/services.sh start`)",
-            pytrace=False,
-        )
-    return url
 
 
 LONG_FAULT_TIMEOUT = 1800  # seconds a long variant may take (10 broker restarts, 30,000 tasks)
@@ -75,19 +58,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def mysql_url() -> str:
     """The MariaDB server URL, without a database."""
-    return _service_url("PHORGE_BRIDGE_TEST_MYSQL_URL")
+    return service_url(MYSQL_URL)
 
 
 @pytest.fixture(scope="session")
 def amqp_url() -> str:
     """The RabbitMQ broker URL."""
-    return _service_url("PHORGE_BRIDGE_TEST_AMQP_URL")
+    return service_url("PHORGE_BRIDGE_TEST_AMQP_URL")
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """The Redis URL, without a database number."""
-    return _service_url("PHORGE_BRIDGE_TEST_REDIS_URL")
+    return service_url("PHORGE_BRIDGE_TEST_REDIS_URL")
 
 
 @pytest.fixture(params=["rabbitmq", "redis"])
@@ -99,32 +82,14 @@ def broker_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def mysql_server(mysql_url: str) -> Iterator[sa.Engine]:
     """An engine on the server itself (no database): CREATE/DROP DATABASE, information_schema."""
-    engine = sa.create_engine(mysql_url, connect_args=MYSQL_CONNECT_ARGS, pool_pre_ping=True)
+    engine = create_mysql_engine(mysql_url)
     yield engine
     engine.dispose()
 
 
-@contextmanager
-def _database(server: sa.Engine, *, create_tables: bool) -> Iterator[sa.Engine]:
-    name = f"bridge_t_{secrets.token_hex(6)}"
-    with server.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE `{name}`")
-    engine = sa.create_engine(
-        server.url.set(database=name), connect_args=MYSQL_CONNECT_ARGS, pool_pre_ping=True
-    )
-    try:
-        if create_tables:
-            metadata.create_all(engine)
-        yield engine
-    finally:
-        engine.dispose()
-        with server.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
-
-
 @pytest.fixture(scope="module")
 def _mysql_module_engine(mysql_server: sa.Engine) -> Iterator[sa.Engine]:
-    with _database(mysql_server, create_tables=True) as engine:
+    with database(mysql_server, create_tables=True) as engine:
         yield engine
 
 
@@ -152,7 +117,7 @@ def make_mysql_database(mysql_server: sa.Engine) -> Iterator[Callable[..., sa.En
     with ExitStack() as stack:
 
         def make(*, create_tables: bool = True) -> sa.Engine:
-            return stack.enter_context(_database(mysql_server, create_tables=create_tables))
+            return stack.enter_context(database(mysql_server, create_tables=create_tables))
 
         yield make
 

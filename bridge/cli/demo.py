@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bridge.queue import PhorgeQueue
 from bridge.queue.model import RESULT_CANCELLED, RESULT_FAILURE, RESULT_SUCCESS, Task
@@ -24,7 +25,7 @@ TEST_WORKER = "PhabricatorTestWorker"
 @dataclass(frozen=True)
 class Sample:
     what: str
-    data: dict
+    data: dict[str, Any]
 
 
 def samples(now: float) -> list[Sample]:
@@ -63,9 +64,11 @@ def describe(task: Task) -> str:
         RESULT_CANCELLED: "archived: cancelled",
     }
     if task.archived:
+        # Archived rows have both (NOT NULL in worker_archivetask).
+        assert task.result is not None and task.duration is not None
         text = outcome.get(task.result, f"archived: result {task.result}")
-        return f"{text} after {task.failureCount} failure(s), ran {task.duration / 1e6:.2f} s"
-    return f"still {task.state.value} (failures: {task.failureCount})"
+        return f"{text} after {task.failure_count} failure(s), ran {task.duration / 1e6:.2f} s"
+    return f"still {task.state.value} (failures: {task.failure_count})"
 
 
 def run(directory: Path, timeout: float, echo: Callable[[str], None]) -> bool:
@@ -115,7 +118,9 @@ def run(directory: Path, timeout: float, echo: Callable[[str], None]) -> bool:
     return done
 
 
-def wait_until_archived(queue: PhorgeQueue, expected: int, timeout: float, worker) -> bool:
+def wait_until_archived(
+    queue: PhorgeQueue, expected: int, timeout: float, worker: subprocess.Popen[bytes]
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and worker.poll() is None:
         tasks = queue.list()
@@ -125,7 +130,7 @@ def wait_until_archived(queue: PhorgeQueue, expected: int, timeout: float, worke
     return False
 
 
-def stop(worker: subprocess.Popen, grace: float = 15) -> None:
+def stop(worker: subprocess.Popen[bytes], grace: float = 15) -> None:
     """Warm shutdown (SIGTERM), then SIGKILL of the whole group if it lingers."""
     if worker.poll() is None:
         worker.terminate()

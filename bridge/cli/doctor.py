@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from sqlalchemy import bindparam, inspect, select, text
+from sqlalchemy import inspect
 
 from bridge.config import ConfigError, Settings, load_settings
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
@@ -28,7 +28,9 @@ from bridge.phorge.conduit import (
 )
 from bridge.phorge.extension import VERSION_METHOD, shipped_sha256, shipped_version
 from bridge.queue import PhorgeQueue
-from bridge.queue.schema import lisk_counter, metadata
+from bridge.queue import statements as sql
+from bridge.queue.retry import WritesRefused
+from bridge.queue.schema import metadata
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -124,6 +126,21 @@ def check_database(doctor: Doctor) -> Check:
     return Check("database", "ok", f"reachable (server time {now})")
 
 
+def check_database_writes(doctor: Doctor) -> Check:
+    """A write that changes nothing: a read-only or full database refuses it too."""
+    doctor.require("tables")
+    try:
+        doctor.queue.probe_writes()
+    except WritesRefused as exc:
+        return Check(
+            "database writes",
+            "fail",
+            f"refused, the database is read-only or full (no task starts until it accepts "
+            f"writes): {exc.__cause__ or exc}",
+        )
+    return Check("database writes", "ok", "accepted")
+
+
 def _type_name(column_type: Any, dialect: Any) -> str:
     """A column type as the server would spell it, without charset and collation."""
     compiled = column_type.compile(dialect=dialect)
@@ -168,17 +185,8 @@ def check_task_id_counter(doctor: Doctor) -> Check:
     """lisk_counter's worker_activetask row: PHP and the bridge draw task ids from it."""
     doctor.require("tables")
     with doctor.queue.engine.connect() as conn:
-        value = conn.execute(
-            select(lisk_counter.c.counterValue).where(
-                lisk_counter.c.counterName == "worker_activetask"
-            )
-        ).scalar()
-        highest = conn.execute(
-            text(
-                "SELECT MAX(id) FROM (SELECT MAX(id) AS id FROM worker_activetask"
-                " UNION ALL SELECT MAX(id) FROM worker_archivetask) AS ids"
-            )
-        ).scalar()
+        value = conn.execute(sql.select_task_id_counter()).scalar()
+        highest = conn.execute(sql.select_highest_task_id()).scalar()
     name = "task id counter"
     if value is None:
         if highest:
@@ -215,7 +223,8 @@ def check_broker(doctor: Doctor) -> Check:
 
     with Connection(doctor.settings.broker_url, connect_timeout=PROBE_TIMEOUT) as connection:
         try:
-            connection.ensure_connection(max_retries=1, timeout=PROBE_TIMEOUT)
+            # kombu-stubs say ``timeout: int``; kombu takes any seconds (``time() + timeout``).
+            connection.ensure_connection(max_retries=1, timeout=cast(int, PROBE_TIMEOUT))
         except Exception as exc:
             return Check("broker", "fail", f"{connection.as_uri()} unreachable: {exc}")
         return Check("broker", "ok", f"{connection.as_uri()} reachable")
@@ -311,32 +320,22 @@ def check_extension(doctor: Doctor) -> Check:
     return Check("extension", "ok", f"version {shipped_version()}, current")
 
 
-def _daemon_log(queue: PhorgeQueue) -> str | None:
-    """Phorge's daemon log table, beside the worker database: ``{namespace}_daemon``."""
+def _daemon_database(queue: PhorgeQueue) -> str | None:
+    """The database of Phorge's daemon log, beside the worker one: ``{namespace}_daemon``."""
     url = queue.engine.url
     if url.get_backend_name() == "sqlite" or not url.database or "_" not in url.database:
         return None
-    return f"`{url.database.rsplit('_', 1)[0]}_daemon`.daemon_log"
+    return f"{url.database.rsplit('_', 1)[0]}_daemon"
 
 
 def check_taskmasters(doctor: Doctor) -> Check:
     """PHP taskmasters with a live heartbeat, as Phorge's daemon console counts them."""
     doctor.require("database")
     name = "taskmasters"
-    table = _daemon_log(doctor.queue)
-    if table is None:
+    database = _daemon_database(doctor.queue)
+    if database is None:
         return Check(name, "ok", "not applicable (no Phorge daemon database beside this one)")
-    age = "UNIX_TIMESTAMP() - dateModified"
-    query = text(
-        f"SELECT COALESCE(SUM({age} <= :unknown), 0),"
-        f" COALESCE(SUM({age} > :unknown AND {age} <= :dead), 0),"
-        f" COALESCE(SUM({age} > :dead), 0)"
-        f" FROM {table} WHERE status IN :running AND daemon LIKE '%TaskmasterDaemon'"
-    ).bindparams(
-        bindparam("running", RUNNING_STATUSES, expanding=True),
-        unknown=UNKNOWN_AFTER,
-        dead=DEAD_AFTER,
-    )
+    query = sql.count_taskmasters(database, UNKNOWN_AFTER, DEAD_AFTER, RUNNING_STATUSES)
     try:
         with doctor.queue.engine.connect() as conn:
             live, unknown, dead = (int(n) for n in conn.execute(query).one())
@@ -381,6 +380,7 @@ CHECKS: list[Callable[[Doctor], Check]] = [
     check_settings,
     check_database,
     check_tables,
+    check_database_writes,
     check_task_id_counter,
     check_served_classes,
     check_broker,

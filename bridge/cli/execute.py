@@ -5,22 +5,22 @@ As in Phorge, an archived task runs only with ``--retry`` (a succeeded one also 
 retry, or with an expired lease) is made due first. Unlike Phorge, which ignores leases,
 a task a worker holds a live lease on is refused: running it here would run it twice
 (``phorge-bridge free`` first, if that worker is gone). Each task is then leased by id
-and run by ``bridge.runtime.execute.run_task``, the path a worker takes, native or
+and run by ``bridge.engine.batch.run_task``, the path a worker takes, native or
 proxied, and its outcome is written as a worker would write it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from bridge.queue import Lease, Outcome, PhorgeQueue
-from bridge.queue.model import RESULT_SUCCESS, State, Task, TaskFilter, new_owner
-from bridge.runtime.context import Runtime
-from bridge.runtime.execute import run_task
-from bridge.runtime.tracing import TaskTrace, new_traceparent, traced
+from bridge.engine.batch import run_task
+from bridge.engine.context import Runtime
+from bridge.engine.tracing import TaskTrace, new_traceparent, traced
+from bridge.queue import OperatorActions, Outcome, PhorgeQueue
+from bridge.queue.model import RESULT_SUCCESS, State, Task, TaskFilter
 
 
-def ordered(tasks: list[Task], ids: tuple[int, ...] | None) -> list[Task]:
+def ordered(tasks: list[Task], ids: Sequence[int] | None) -> list[Task]:
     """In the order of ``--id`` when given, else by id (Phorge: "somewhat FIFO")."""
     if ids:
         by_id = {t.id: t for t in tasks}
@@ -31,24 +31,25 @@ def ordered(tasks: list[Task], ids: tuple[int, ...] | None) -> list[Task]:
 def refusal(queue: PhorgeQueue, task: Task, retry: bool, repeat: bool) -> str | None:
     """Why ``task`` is not executed, or None once it is active and due."""
     one = TaskFilter(ids=[task.id])
+    actions = OperatorActions(queue)
     if task.archived:
         if not retry:
             return "ARCHIVED: already archived, and will not be executed; use --retry"
         if task.result == RESULT_SUCCESS and not repeat:
             return "SUCCEEDED: already succeeded, and will not be retried; use --repeat"
-        [unarchived] = queue.retry(one, repeat=True)
+        [unarchived] = actions.retry(one, repeat=True)
         if not unarchived.done:
             return unarchived.reason
         return None
     if task.state is State.LEASED:
         return (
-            f"LEASED: a worker holds its lease ({task.leaseOwner}) until {task.leaseExpires}; "
+            f"LEASED: a worker holds its lease ({task.lease_owner}) until {task.lease_expires}; "
             f"if that worker is gone, `phorge-bridge free --id {task.id}` first"
         )
     if task.state is State.DELAYED:
-        queue.delay(one, until=queue.server_time())
+        actions.delay(one, until=queue.server_time())
     elif task.state in (State.YIELDED, State.RETRY_WAIT):
-        queue.free(one)
+        actions.free(one)
     return None
 
 
@@ -70,17 +71,17 @@ def execute_tasks(
             echo(f"{task.label}: {reason}")
             all_done = all_done and reason.startswith(("ARCHIVED", "SUCCEEDED"))
             continue
-        owner = new_owner(rt.settings.owner_prefix, queue.server_time())
-        leased = queue.lease(1, owner, rt.settings.dispatch_lease, ids=[task.id])
+        leased = queue.lease(
+            1, rt.settings.dispatch_lease, owner_prefix=rt.settings.owner_prefix, ids=[task.id]
+        )
         if not leased:
             echo(f"{task.label}: LEASED: another consumer leased it meanwhile")
             all_done = False
             continue
         held = leased[0]
-        trace = TaskTrace(held.id, held.taskClass, owner, new_traceparent())
+        trace = TaskTrace(held.id, held.task_class, held.lease.owner, new_traceparent())
         with traced(trace):
-            lease = Lease(held.id, owner, held.failureCount)
-            ran = run_task(rt, lease, None, trace.traceparent, held.taskClass)
+            ran = run_task(rt, held.lease, None, trace.traceparent, held.task_class)
         echo(f"{ran.describe(held.label)} [traceparent={trace.traceparent}]")
         all_done = all_done and ran.outcome is Outcome.SUCCESS
     return all_done

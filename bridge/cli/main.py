@@ -7,17 +7,29 @@ Workers and beat are Celery's own commands: ``celery -A bridge worker`` and
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
+from bridge._version import __version__
+from bridge.cli import demo as embedded
+from bridge.cli import doctor as checks
+from bridge.cli.execute import execute_tasks as run_selected
 from bridge.config import SETTINGS, ConfigError, Settings, explain, load_settings
-from bridge.queue import PhorgeQueue
+from bridge.engine.context import build_runtime
+from bridge.engine.tracing import tag_log_lines
+from bridge.handlers.registry import build_registry
+from bridge.phorge import extension as phorge_extension
+from bridge.queue import OperatorActions, PhorgeQueue
 from bridge.queue.model import ActionResult, Task, TaskFilter
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def settings_or_exit() -> Settings:
@@ -32,8 +44,13 @@ def open_queue() -> PhorgeQueue:
 
 
 @click.group()
+@click.version_option(__version__, prog_name="phorge-bridge")
 def main() -> None:
-    """Run Phorge's task queue on Celery; operate it like bin/worker."""
+    """Run Phorge's task queue on Celery; operate it like bin/worker.
+
+    The commands that talk to Celery import it (and its app, which reads every
+    BRIDGE_* setting as it is built) only once their settings are checked.
+    """
 
 
 @main.command()
@@ -48,7 +65,6 @@ def main() -> None:
 @click.option("--timeout", default=90.0, show_default=True, help="Seconds to wait for the tasks.")
 def demo(directory: Path, timeout: float) -> None:
     """Run the bridge on an embedded default (SQLite + server-less broker) with sample tasks."""
-    from bridge.cli import demo as embedded
 
     if not embedded.run(directory.resolve(), timeout, click.echo):
         raise click.ClickException("not every sample task was archived in time; see the log")
@@ -58,7 +74,6 @@ def demo(directory: Path, timeout: float) -> None:
 @click.option("--table", is_flag=True, help="Print the README's table of settings instead.")
 def show_settings(table: bool) -> None:
     """Print every BRIDGE_* setting with its value here (secrets hidden), or the error."""
-    import os
 
     if table:
         click.echo(explain())
@@ -77,7 +92,6 @@ def show_settings(table: bool) -> None:
 def doctor(as_json: bool) -> None:
     """Check settings, database, tables, broker, Conduit, the extension, PHP taskmasters
     and clocks; exit 1 when any check fails."""
-    from bridge.cli import doctor as checks
 
     results = checks.diagnose()
     click.echo(checks.render(results, as_json))
@@ -109,7 +123,7 @@ def health(liveness_file: Path, max_age: float) -> None:
     click.echo("ok: consuming")
 
 
-def selector_options(command: Callable) -> Callable:
+def selector_options(command: F) -> F:
     """bin/worker's task selectors."""
     options = [
         click.option("--id", "ids", type=int, multiple=True, help="Task id (repeatable)."),
@@ -136,8 +150,8 @@ def make_filter(options: dict[str, Any]) -> TaskFilter:
             classes=options.pop("classes") or None,
             active=options.pop("active"),
             archived=options.pop("archived"),
-            containerPHIDs=options.pop("containers") or None,
-            objectPHIDs=options.pop("objects") or None,
+            container_phids=options.pop("containers") or None,
+            object_phids=options.pop("objects") or None,
             min_failure_count=options.pop("min_failure_count"),
             max_failure_count=options.pop("max_failure_count"),
             min_priority=options.pop("min_priority"),
@@ -151,7 +165,7 @@ def make_filter(options: dict[str, Any]) -> TaskFilter:
 def task_row(task: Task) -> dict[str, Any]:
     row = asdict(task)
     row["state"] = task.state.value
-    row.pop("rawData")
+    row.pop("raw_data")
     return row
 
 
@@ -186,7 +200,7 @@ def list_tasks(as_json: bool, **options: Any) -> None:
         else:
             click.echo(
                 f"{task.label:<40} {task.state.value:<17} priority {task.priority:<5} "
-                f"failures {task.failureCount}"
+                f"failures {task.failure_count}"
             )
 
 
@@ -200,7 +214,6 @@ def stats(as_json: bool, window: int) -> None:
     from kombu.exceptions import OperationalError
 
     from bridge.celery import app
-    from bridge.handlers.registry import build_registry
     from bridge.runtime.consumers import describe, survey
 
     result = open_queue().stats(window)
@@ -230,7 +243,9 @@ def report(results: list[ActionResult], verb: str) -> None:
     click.echo(f"{sum(r.done for r in results)} task(s) {verb}.")
 
 
-def operator_action(name: str, verb: str, act: Callable[..., list[ActionResult]]):
+def operator_action(
+    name: str, verb: str, act: Callable[..., list[ActionResult]]
+) -> Callable[..., None]:
     """A bin/worker-style command: selectors pick the tasks, ``act`` changes them."""
 
     def command(**options: Any) -> None:
@@ -238,7 +253,7 @@ def operator_action(name: str, verb: str, act: Callable[..., list[ActionResult]]
         if not selector.constrained:
             raise click.UsageError("select tasks with --id, --class, ... (see --help)")
         try:
-            report(act(open_queue(), selector, **options), verb)
+            report(act(OperatorActions(open_queue()), selector, **options), verb)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
 
@@ -247,21 +262,21 @@ def operator_action(name: str, verb: str, act: Callable[..., list[ActionResult]]
     return selector_options(command)
 
 
-main.command("cancel")(operator_action("cancel", "cancelled", PhorgeQueue.cancel))
-main.command("free")(operator_action("free", "freed", PhorgeQueue.free))
+main.command("cancel")(operator_action("cancel", "cancelled", OperatorActions.cancel))
+main.command("free")(operator_action("free", "freed", OperatorActions.free))
 main.command("retry")(
     click.option("--repeat", is_flag=True, help="Also repeat tasks that succeeded.")(
-        operator_action("retry", "queued for retry", PhorgeQueue.retry)
+        operator_action("retry", "queued for retry", OperatorActions.retry)
     )
 )
 main.command("delay")(
     click.option("--until", type=int, required=True, help="Epoch to hold the tasks until.")(
-        operator_action("delay", "delayed", PhorgeQueue.delay)
+        operator_action("delay", "delayed", OperatorActions.delay)
     )
 )
 main.command("priority")(
     click.option("--priority", type=int, required=True, help="New priority (positive).")(
-        operator_action("priority", "reprioritized", PhorgeQueue.set_priority)
+        operator_action("priority", "reprioritized", OperatorActions.set_priority)
     )
 )
 
@@ -275,11 +290,6 @@ def execute_tasks(retry: bool, repeat: bool, **options: Any) -> None:
 
     Exits 1 unless every task it ran succeeded (bin/worker execute).
     """
-    import logging
-
-    from bridge.cli.execute import execute_tasks as run_selected
-    from bridge.runtime.context import build_runtime
-    from bridge.runtime.tracing import tag_log_lines
 
     selector = make_filter(options)
     if not selector.constrained:
@@ -299,7 +309,7 @@ def execute_tasks(retry: bool, repeat: bool, **options: Any) -> None:
 @click.argument("ids", type=int, nargs=-1, required=True)
 def awaken(ids: tuple[int, ...]) -> None:
     """Bring yielded, never-failed tasks forward."""
-    click.echo(f"{open_queue().awaken(ids)} task(s) awakened.")
+    click.echo(f"{OperatorActions(open_queue()).awaken(ids)} task(s) awakened.")
 
 
 @main.command("create-tables")
@@ -322,7 +332,6 @@ def phorge() -> None:
 @click.option("--check", is_flag=True, help="Only report whether the installed copy is current.")
 def install_extension(phorge_root: Path, check: bool) -> None:
     """Copy the worker.execute Conduit method into PHORGE_ROOT/src/extensions/."""
-    from bridge.phorge import extension as phorge_extension
 
     try:
         if check:

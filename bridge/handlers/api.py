@@ -17,6 +17,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from bridge.errors import BridgeError
+from bridge.handlers.breaker import CircuitBreaker
 from bridge.queue.model import NewTask
 
 
@@ -34,6 +35,9 @@ class TaskContext:
     raw_data: InitVar[str | None] = None
     # The execution's W3C trace context: pass it on to what the handler calls.
     traceparent: str | None = None
+    # The lease this run holds (its fencing token): one run per lease, so with the id it
+    # names this execution (see ``idempotency_key``).
+    lease_owner: str | None = None
     # Internals: the stored JSON (for the Conduit proxy), the follow-ups queued so far, and
     # the run time measured where the work ran, when that was not here (the proxy).
     _raw_data: str | None = field(init=False, repr=False, compare=False, default=None)
@@ -42,6 +46,14 @@ class TaskContext:
 
     def __post_init__(self, raw_data: str | None) -> None:
         object.__setattr__(self, "_raw_data", raw_data)
+
+    @property
+    def idempotency_key(self) -> str:
+        """A key naming this execution, the same however often it is read: the task id
+        and its lease owner. A run that lost its lease and is run again gets a new key;
+        pass it to a service that drops repeats, so a re-run's side effect happens once
+        per lease."""
+        return f"phorge-task:{self.id}:{self.lease_owner or ''}"
 
     @property
     def followups(self) -> tuple[NewTask, ...]:
@@ -87,9 +99,11 @@ def measured_duration(task: TaskContext) -> int | None:
 
 
 class Yield(BridgeError):
-    """Give the task back for ``delay`` seconds (at least 5) without counting a failure."""
+    """Give the task back for ``delay`` seconds (at least 5) without counting a failure.
 
-    def __init__(self, delay: int, message: str = "") -> None:
+    Every handler exception takes the message first and ``delay`` by keyword."""
+
+    def __init__(self, message: str = "", *, delay: int) -> None:
         super().__init__(message or f"yielded for {delay}s")
         self.delay = int(delay)
 
@@ -101,7 +115,7 @@ class PermanentFailure(BridgeError):
 class TemporaryFailure(BridgeError):
     """Retry the task later; ``delay`` (seconds) overrides the handler's wait before retry."""
 
-    def __init__(self, message: str, delay: int | None = None) -> None:
+    def __init__(self, message: str = "", *, delay: int | None = None) -> None:
         super().__init__(message)
         self.delay = None if delay is None else int(delay)
 
@@ -117,6 +131,16 @@ class Handler(ABC):
 
     task_classes: tuple[str, ...] = ()
     phorge_defaults: bool = False
+    # The transport's circuit breaker, for handlers that run the work elsewhere (the
+    # Conduit proxy): while it is open, the handler is not available.
+    breaker: CircuitBreaker | None = None
+
+    def available(self) -> bool:
+        """Whether this handler can take work now: the poller leases its classes only
+        while it answers True, asked once per poll. The default consults the breaker,
+        verifying it (a probe at most every few seconds), since the process that polls
+        may never run such a task itself."""
+        return self.breaker is None or self.breaker.verify()
 
     @property
     def name(self) -> str:

@@ -174,7 +174,7 @@ def apply_result(task: TaskContext, result: Any) -> None:
         return
     if outcome == Outcome.YIELD:
         seconds = _optional_int(result.get("yieldDuration")) or 0
-        raise Yield(max(seconds, MIN_YIELD_SECONDS))
+        raise Yield(delay=max(seconds, MIN_YIELD_SECONDS))
     if outcome == Outcome.PERMANENT_FAILURE:
         raise PermanentFailure(message or "permanent failure (no message)")
     if outcome == Outcome.FAILURE:
@@ -219,14 +219,14 @@ def conduit_failure(
     if exc.error_code == ERR_READ_ONLY:
         # Phorge cannot run anything now; the task is not at fault, so no failure is counted.
         logger.warning("task %s (%s): Phorge is read-only; yielding", task.id, task.task_class)
-        return Yield(READ_ONLY_YIELD, str(exc))
+        return Yield(str(exc), delay=READ_ONLY_YIELD)
     reason = outage_reason(exc, client)
     if reason is not None:
         if breaker is not None:
             breaker.failure(reason)
         else:
             logger.error("task %s (%s): %s", task.id, task.task_class, reason)
-        return Yield(OUTAGE_YIELD, f"Conduit unavailable: {exc}")
+        return Yield(f"Conduit unavailable: {exc}", delay=OUTAGE_YIELD)
     if breaker is not None:
         breaker.success()  # Phorge answered: the problem is this task's
     if isinstance(exc, ConduitMethodNotFoundError):
@@ -244,7 +244,7 @@ def conduit_failure(
         # without counting a failure (the task may just be slow, as phd would let it be).
         message = f"{exc} (the work may still be running in PHP)"
         logger.warning("task %s (%s): %s", task.id, task.task_class, message)
-        return Yield(max(DEFAULT_RETRY_WAIT, int(client.read_timeout)), message)
+        return Yield(message, delay=max(DEFAULT_RETRY_WAIT, int(client.read_timeout)))
     logger.warning("task %s (%s): %s", task.id, task.task_class, exc)
     return TemporaryFailure(str(exc))
 
@@ -255,6 +255,8 @@ class ConduitProxyHandler(Handler):
     ``build_registry`` makes it the registry's fallback once Conduit is configured; it
     claims no ``task_classes`` of its own, so native handlers always come first.
     """
+
+    breaker: CircuitBreaker  # always one: the transport is Conduit
 
     def __init__(
         self,
@@ -296,7 +298,8 @@ class ConduitProxyHandler(Handler):
     def run(self, task: TaskContext) -> None:
         if not self.breaker.allow():
             raise Yield(
-                OUTAGE_YIELD, f"held back while Conduit is unavailable: {self.breaker.reason}"
+                f"held back while Conduit is unavailable: {self.breaker.reason}",
+                delay=OUTAGE_YIELD,
             )
         try:
             result = self.client.call(

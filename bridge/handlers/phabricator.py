@@ -20,18 +20,24 @@ def _option(task: TaskContext, key: str) -> Any:
     return task.data.get(key) if isinstance(task.data, dict) else None
 
 
+def _policy(task: TaskContext, key: str) -> int | None:
+    """A policy override from the data (seconds or a count), as the data gives it."""
+    value: int | None = _option(task, key)
+    return value
+
+
 class PhabricatorTestWorker(Handler):
     task_classes = ("PhabricatorTestWorker",)
     phorge_defaults = True
 
     def required_lease(self, task: TaskContext) -> int | None:
-        return _option(task, "getRequiredLeaseTime")
+        return _policy(task, "getRequiredLeaseTime")
 
     def maximum_retry_count(self, task: TaskContext) -> int | None:
-        return _option(task, "getMaximumRetryCount")
+        return _policy(task, "getMaximumRetryCount")
 
     def wait_before_retry(self, task: TaskContext) -> int | None:
-        return _option(task, "getWaitBeforeRetry")
+        return _policy(task, "getWaitBeforeRetry")
 
     def run(self, task: TaskContext) -> None:
         duration = _option(task, "duration")
@@ -43,7 +49,7 @@ class PhabricatorTestWorker(Handler):
             case "fail-permanent":
                 raise PermanentFailure("Permanent failure!")
             case "yield" if (_option(task, "yieldUntil") or 0) > time.time():
-                raise Yield(int(_option(task, "yieldUntil") - time.time()) + 1)
+                raise Yield(delay=int(_option(task, "yieldUntil") - time.time()) + 1)
         for followup in _option(task, "followups") or ():
             task.queue_task(
                 followup["taskClass"],

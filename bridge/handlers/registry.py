@@ -45,10 +45,11 @@ def instantiate(
         made = published(settings, conduit)
     else:
         raise BridgeError(f"{published!r} is not a Handler, a Handler subclass or a factory")
-    handlers = list(made) if isinstance(made, Iterable) else [made]
-    for item in handlers:
+    handlers: list[Handler] = []
+    for item in list(made) if isinstance(made, Iterable) else [made]:
         if not isinstance(item, Handler):
             raise BridgeError(f"{published!r} made {item!r}, which is not a Handler")
+        handlers.append(item)
     return handlers
 
 
@@ -100,6 +101,11 @@ class Registry:
             handler = self.native.get(task_class, self.fallback)
             served = handler if self.allowed(task_class) else None
             return self._served.setdefault(task_class, served)
+
+    def handlers(self) -> list[Handler]:
+        """Every handler that may serve a class, each once (the fallback last)."""
+        found = list({id(h): h for h in self.native.values()}.values())
+        return [*found, self.fallback] if self.fallback is not None else found
 
     def runnable(self, task_classes: Iterable[str]) -> list[str]:
         return [c for c in task_classes if self.handler_for(c) is not None]

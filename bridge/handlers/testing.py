@@ -27,6 +27,7 @@ def run(
     task_id: int = 1,
     object_phid: str | None = None,
     container_phid: str | None = None,
+    lease_owner: str = "bridge:test",
 ) -> HandlerResult:
     """Run ``handler`` once on ``data`` as task ``task_class`` (default: its first class)."""
     if task_class is None:
@@ -44,5 +45,6 @@ def run(
         object_phid=object_phid,
         container_phid=container_phid,
         raw_data=raw,
+        lease_owner=lease_owner,
     )
     return run_handler(handler, ctx)

@@ -30,7 +30,7 @@ abstract class PhorgeBridgeConduitAPIMethod extends ConduitAPIMethod {
 
   // The phorge-bridge release this file ships with (read by the bridge's
   // Python too); worker.version reports it with this file's sha256.
-  const VERSION = '0.1.0';
+  const VERSION = '0.2.0.dev0';
 
   // These four make sure no configuration (policy.allow-public, OAuth
   // clients) can open the methods to anyone but an authenticated caller.

@@ -5,11 +5,17 @@ Everything else the bridge says to the database is portable SQLAlchemy Core.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, Integer, create_engine, event, text
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    from sqlalchemy.pool import ConnectionPoolEntry
+    from sqlalchemy.sql.compiler import SQLCompiler
 
 
 class db_now(FunctionElement[int]):
@@ -20,13 +26,13 @@ class db_now(FunctionElement[int]):
 
 
 @compiles(db_now)
-def _sqlite_now(element, compiler, **kw) -> str:
+def _sqlite_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return "CAST(strftime('%s', 'now') AS INTEGER)"
 
 
 @compiles(db_now, "mysql")
 @compiles(db_now, "mariadb")
-def _mysql_now(element, compiler, **kw) -> str:
+def _mysql_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return "UNIX_TIMESTAMP()"
 
 
@@ -44,13 +50,13 @@ class owner_epoch(FunctionElement[int]):
 
 
 @compiles(owner_epoch)
-def _sqlite_owner_epoch(element, compiler, **kw) -> str:
+def _sqlite_owner_epoch(element: owner_epoch, compiler: SQLCompiler, **kw: Any) -> str:
     return f"owner_epoch({compiler.process(element.clauses, **kw)})"
 
 
 @compiles(owner_epoch, "mysql")
 @compiles(owner_epoch, "mariadb")
-def _mysql_owner_epoch(element, compiler, **kw) -> str:
+def _mysql_owner_epoch(element: owner_epoch, compiler: SQLCompiler, **kw: Any) -> str:
     owner = compiler.process(element.clauses, **kw)
     return f"CAST(SUBSTRING_INDEX(SUBSTRING_INDEX({owner}, ':', -3), ':', 1) AS UNSIGNED)"
 
@@ -114,7 +120,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     return create_engine(url, connect_args=connect_args, **kwargs)
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
+def _sqlite_pragmas(dbapi_connection: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
     # WAL lets readers (the poller, the CLI) run beside one writer; busy_timeout makes
     # concurrent writers wait instead of failing at once. Transactions are begun by
     # ``_sqlite_begin`` instead of pysqlite, so a read-then-write cannot lose its snapshot.

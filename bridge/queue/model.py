@@ -1,6 +1,8 @@
 """The queue's vocabulary: Phorge's constants, task records, selectors and their validation.
 
-Field names are Phorge's column names on purpose: they are wire format shared with PHP.
+Field names are snake_case, like the rest of the Python API; Phorge's column names
+(``taskClass``, ``leaseOwner``, ...) appear only where rows are mapped:
+``bridge.queue.schema`` (``FIELDS``) and ``bridge.queue.statements``.
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ class Lease(NamedTuple):
     """The fence a dispatch carries: a run may write only while all three still match.
 
     ``failure_count`` tells "leased, not yet run" from "failed and waiting to retry": a
-    temporary failure keeps the owner (as Phorge does) but counts one more failure.
+    temporary failure keeps the owner (as Phorge does) but counts one more failure. None
+    leaves it out of the fence, as PHP's own checks do (operator tools); a worker always
+    has it.
     """
 
     task_id: int
     owner: str
-    failure_count: int
+    failure_count: int | None
 
 
 class Leased(NamedTuple):
@@ -90,6 +94,7 @@ def check_priority(priority: Any) -> int:
     valid = isinstance(priority, int) and not isinstance(priority, bool)
     if not valid or not 0 < priority <= MAX_UINT32:
         raise ValueError(f"priority must be a positive integer, got {priority!r}")
+    assert isinstance(priority, int)  # ``valid`` above
     return priority
 
 
@@ -110,13 +115,13 @@ def check_seconds(name: str, value: Any, minimum: int = 0, maximum: int = MAX_UI
 _owner_sequence = count(1)
 
 
-def new_owner(prefix: str = "bridge", epoch: int | None = None) -> str:
+def new_owner(prefix: str, epoch: int) -> str:
     """A lease owner unique to this call, shaped like PHP's ``pid:time:host:sequence``.
 
-    ``epoch`` should be the database's clock: it is compared with ``failureTime``.
+    ``epoch`` is the database's clock: it is compared with ``failureTime``
+    (``PhorgeQueue.new_owner`` reads it).
     """
-    when = int(time.time()) if epoch is None else epoch
-    tail = f":{os.getpid()}:{when}:{{host}}:{next(_owner_sequence)}"
+    tail = f":{os.getpid()}:{epoch}:{{host}}:{next(_owner_sequence)}"
     room = MAX_NAME - len(prefix) - len(tail) + len("{host}")
     if room < 1:
         raise ValueError(f"owner prefix {prefix!r} is too long")
@@ -132,12 +137,12 @@ class NewTask:
     as Phorge's ``flushTaskQueue`` does.
     """
 
-    taskClass: str
+    task_class: str
     data: Any = None
     priority: int | None = None
-    objectPHID: str | None = None
-    containerPHID: str | None = None
-    delayUntil: int | None = None
+    object_phid: str | None = None
+    container_phid: str | None = None
+    delay_until: int | None = None
 
     def with_default_priority(self, priority: int) -> NewTask:
         """This task with ``priority`` filled in where none was given.
@@ -156,11 +161,11 @@ class NewTask:
     def validated(self) -> tuple[NewTask, str]:
         """Check every field before anything is written; return the task (with its
         priority filled in) and its JSON."""
-        check_task_class(self.taskClass)
+        check_task_class(self.task_class)
         check_priority(PRIORITY_DEFAULT if self.priority is None else self.priority)
-        if self.delayUntil is not None:
-            check_seconds("delayUntil", self.delayUntil)
-        for name in ("objectPHID", "containerPHID"):
+        if self.delay_until is not None:
+            check_seconds("delay_until", self.delay_until)
+        for name in ("object_phid", "container_phid"):
             value = getattr(self, name)
             if value is not None and (
                 not isinstance(value, str) or len(value.encode("utf-8")) > MAX_NAME
@@ -173,62 +178,63 @@ class NewTask:
 class Task:
     """A row of ``worker_activetask`` or ``worker_archivetask``, with its decoded data.
 
-    Archived rows have ``result``, ``duration`` (µs) and ``archivedEpoch`` and no
-    ``failureTime``; active rows the reverse. ``serverTime`` is the database clock when
+    Archived rows have ``result``, ``duration`` (µs) and ``archived_epoch`` and no
+    ``failure_time``; active rows the reverse. ``server_time`` is the database clock when
     the row was read, so states and remaining leases are judged by the database.
     """
 
     id: int
-    taskClass: str
-    leaseOwner: str | None
-    leaseExpires: int | None
-    failureCount: int
-    dataID: int
+    task_class: str
+    lease_owner: str | None
+    lease_expires: int | None
+    failure_count: int
+    data_id: int
     priority: int
-    objectPHID: str | None
-    containerPHID: str | None
-    dateCreated: int
-    dateModified: int
-    failureTime: int | None = None
+    object_phid: str | None
+    container_phid: str | None
+    date_created: int
+    date_modified: int
+    failure_time: int | None = None
     result: int | None = None
     duration: int | None = None
-    archivedEpoch: int | None = None
+    archived_epoch: int | None = None
     archived: bool = False
     data: Any = None
-    rawData: str | None = None
-    dataError: str | None = None
-    serverTime: int | None = None
+    raw_data: str | None = None
+    data_error: str | None = None
+    server_time: int | None = None
 
     @property
     def state(self) -> State:
-        now = self.serverTime if self.serverTime is not None else int(time.time())
+        now = self.server_time if self.server_time is not None else int(time.time())
         if self.archived:
             return State.ARCHIVED
-        return classify(self.leaseOwner, self.leaseExpires, self.failureTime, now)
+        return classify(self.lease_owner, self.lease_expires, self.failure_time, now)
 
     @property
     def lease(self) -> Lease:
         """The fence of this row as read (its id, owner and failure count)."""
-        return Lease(self.id, self.leaseOwner or "", self.failureCount)
+        return Lease(self.id, self.lease_owner or "", self.failure_count)
 
     @property
     def label(self) -> str:
         """How a task is named in logs, Flower and the CLI."""
-        return f"{self.taskClass}#{self.id}"
+        return f"{self.task_class}#{self.id}"
 
 
 def task_from_row(fields: dict[str, Any], archived: bool = False) -> Task:
-    """A Task from a row's columns; data read as bytes is decoded here, one row at a time."""
-    for name in ("objectPHID", "containerPHID"):  # varbinary: bytes from the bare driver
+    """A Task from a row read with ``statements.task_columns``' labels; data read as
+    bytes is decoded here, one row at a time."""
+    for name in ("object_phid", "container_phid"):  # varbinary: bytes from the bare driver
         if isinstance(fields.get(name), bytes):
             fields[name] = fields[name].decode("utf-8", "replace")
-    if "rawData" not in fields:
+    if "raw_data" not in fields:
         return Task(**fields, archived=archived)
-    raw = fields.pop("rawData")
+    raw = fields.pop("raw_data")
     data, error = decode_data(raw)
     if isinstance(raw, bytes):
-        raw = None if error and raw is not None and "UTF-8" in error else raw.decode("utf-8")
-    return Task(**fields, archived=archived, data=data, rawData=raw, dataError=error)
+        raw = None if error and "UTF-8" in error else raw.decode("utf-8")
+    return Task(**fields, archived=archived, data=data, raw_data=raw, data_error=error)
 
 
 def lease_epoch(owner: str | None) -> int | None:
@@ -260,8 +266,8 @@ class TaskFilter:
     classes: Sequence[str] | None = None
     active: bool = False
     archived: bool = False
-    containerPHIDs: Sequence[str] | None = None
-    objectPHIDs: Sequence[str] | None = None
+    container_phids: Sequence[str] | None = None
+    object_phids: Sequence[str] | None = None
     min_failure_count: int | None = None
     max_failure_count: int | None = None
     min_priority: int | None = None
@@ -290,8 +296,8 @@ class TaskFilter:
                 self.classes,
                 self.active,
                 self.archived,
-                self.containerPHIDs,
-                self.objectPHIDs,
+                self.container_phids,
+                self.object_phids,
                 self.min_failure_count,
                 self.max_failure_count,
                 self.min_priority,
@@ -314,7 +320,7 @@ class ActionResult:
 class QueueStats:
     """Queue depth and age as the database sees it (Flower only sees the broker)."""
 
-    serverTime: int
+    server_time: int
     by_class: dict[str, dict[str, int]] = field(default_factory=dict)
     archived_window: int = 0
     oldest_queued_age: int | None = None

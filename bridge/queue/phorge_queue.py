@@ -1,14 +1,13 @@
 """PhorgeQueue: Phorge's task queue, read and written exactly as Phorge's PHP does.
 
-It runs every statement of ``bridge.queue.statements`` in the right transactions:
-enqueue, lease, the per-task outcomes (through ``LeaseSession``), ``bin/worker``'s
-operator actions and the reads. Outcome methods return whether the caller still held the
-lease: False means the fence no longer held and nothing was written.
+It runs the statements of ``bridge.queue.statements`` in the right transactions for the
+runtime's path: enqueue, lease, the per-task session (``LeaseSession``: check, renew,
+outcomes, follow-ups written through :meth:`PhorgeQueue._complete_with`), and the reads.
+``bin/worker``'s operator actions build on it in ``bridge.queue.actions``.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,10 +19,8 @@ from bridge.queue import statements as sql
 from bridge.queue.dialect import is_mysql, make_engine, next_task_ids
 from bridge.queue.model import (
     DEFAULT_LEASE_SECONDS,
-    DEFAULT_RETRY_WAIT,
     PRIORITY_DEFAULT,
     RESULT_SUCCESS,
-    ActionResult,
     Lease,
     Leased,
     NewTask,
@@ -31,8 +28,8 @@ from bridge.queue.model import (
     Task,
     TaskFilter,
     check_owner,
-    check_priority,
     check_seconds,
+    new_owner,
     task_from_row,
 )
 from bridge.queue.retry import retrying
@@ -41,11 +38,12 @@ from bridge.queue.schema import worker_activetask as active_table
 from bridge.queue.schema import worker_archivetask as archive_table
 from bridge.queue.session import LeaseSession
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
+# One lease phase: (conn, limit, owner, seconds, where) -> rows won.
+_TakePhase = Callable[[Connection, int, str, int, sql.LeaseFilter], int]
 
 
-def _task(row: Row, archived: bool = False) -> Task:
+def _task(row: Row[Any], archived: bool = False) -> Task:
     return task_from_row(row._asdict(), archived)
 
 
@@ -90,8 +88,9 @@ class PhorgeQueue:
             self._sessions.session = None
         self.engine.dispose()
 
-    def _transaction(self, work: Callable[[Connection], T]) -> T:
-        """Run ``work`` in one transaction, again after a transient error (``retry``)."""
+    def transaction(self, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` in one transaction, again after a transient error (``retry``):
+        ``work`` must be safe to run again (the operator actions run through this too)."""
 
         def attempt() -> T:
             with self.engine.connect() as conn:
@@ -125,6 +124,10 @@ class PhorgeQueue:
         with self.engine.connect() as conn:
             return int(conn.execute(sql.server_time()).scalar_one())
 
+    def probe_writes(self) -> None:
+        """Raise ``WritesRefused`` while the database refuses writes (changes nothing)."""
+        self.transaction(lambda conn: conn.execute(sql.probe_writes()))
+
     # -- enqueue ------------------------------------------------------------------------
 
     def enqueue(
@@ -153,37 +156,48 @@ class PhorgeQueue:
         checked = [task.validated() for task in tasks]
         if not checked:
             return []
-        return self._transaction(lambda conn: self._insert_tasks(conn, checked))
+        return self.transaction(lambda conn: self._insert_tasks(conn, checked))
 
     def _insert_tasks(self, conn: Connection, checked: list[tuple[NewTask, str]]) -> list[int]:
         # The counter is taken inside this transaction: its row stays locked until commit,
         # which keeps ids and rows atomic at the cost of serialising concurrent enqueuers.
         ids = next_task_ids(conn, len(checked))
         for task_id, (task, data_json) in zip(ids, checked, strict=True):
-            data_id = conn.execute(sql.insert_data(data_json)).inserted_primary_key[0]
+            key = conn.execute(sql.insert_data(data_json)).inserted_primary_key
+            assert key is not None  # one row inserted (no executemany): its key is there
+            data_id = key[0]
             conn.execute(sql.insert_active(task_id, data_id, task))
         return ids
 
     # -- lease --------------------------------------------------------------------------
 
+    def new_owner(self, prefix: str = "bridge", now: int | None = None) -> str:
+        """A lease owner unique to this call, its epoch the database's clock (``now``,
+        when the caller has just read it): the owner's epoch is compared with
+        ``failureTime``, so a host clock would misjudge a task waiting to retry."""
+        return new_owner(prefix, self.server_time() if now is None else now)
+
     def lease(
         self,
         limit: int,
-        owner: str,
         seconds: int = DEFAULT_LEASE_SECONDS,
         *,
+        owner_prefix: str = "bridge",
         classes: Sequence[str] | None = None,
         exclude_classes: Sequence[str] | None = None,
         ids: Sequence[int] | None = None,
         expired_first: bool = False,
     ) -> list[Task]:
-        """Lease up to ``limit`` tasks in Phorge's two phases; returns only rows this call won.
+        """Lease up to ``limit`` tasks in Phorge's two phases under a new owner (see
+        :meth:`new_owner`); returns only the rows this call won, each with its
+        ``lease_owner``.
 
-        ``owner`` must be unique to this call (see ``model.new_owner``): the final read
-        selects the rows it holds by owner, as PHP does. ``ids`` restricts both phases
-        to those tasks (``PhabricatorWorkerLeaseQuery::withIDs``). ``expired_first``
-        runs the expired phase first, so lost dispatches come back before the backlog.
+        The final read selects the rows held by the owner, as PHP does. ``ids`` restricts
+        both phases to those tasks (``PhabricatorWorkerLeaseQuery::withIDs``).
+        ``expired_first`` runs the expired phase first, so lost dispatches come back
+        before the backlog.
         """
+        owner = self.new_owner(owner_prefix)
         where = sql.LeaseFilter(classes, exclude_classes, ids)
         if not self._take(limit, owner, seconds, where, expired_first):
             return []
@@ -191,16 +205,25 @@ class PhorgeQueue:
             return [_task(row) for row in conn.execute(sql.select_leased(owner)).all()]
 
     def lease_to_send(
-        self, limit: int, owner: str, seconds: int, classes: Sequence[str], inline_max: int
-    ) -> list[Leased]:
-        """The poll's lease: as :meth:`lease` with ``expired_first``, returning the rows as
-        their messages carry them, data undecoded and only up to ``inline_max`` bytes
-        (the worker decodes it, or reads a larger one, when it checks the lease)."""
+        self,
+        limit: int,
+        owner_prefix: str,
+        seconds: int,
+        classes: Sequence[str],
+        inline_max: int,
+        *,
+        now: int | None = None,
+    ) -> tuple[str, list[Leased]]:
+        """The poll's lease: as :meth:`lease` with ``expired_first``, returning the owner
+        and the rows as their messages carry them, data undecoded and only up to
+        ``inline_max`` bytes (the worker decodes it, or reads a larger one, when it checks
+        the lease). ``now``: the database's clock, when the poll has just read it."""
+        owner = self.new_owner(owner_prefix, now)
         if not self._take(limit, owner, seconds, sql.LeaseFilter(classes), expired_first=True):
-            return []
+            return owner, []
         with self.engine.connect() as conn:
             rows = conn.execute(sql.select_leased_to_send(owner, inline_max)).all()
-        return [Leased(r.id, r.failureCount, r.taskClass, _utf8(r.rawData)) for r in rows]
+        return owner, [Leased(r.id, r.failure_count, r.task_class, _utf8(r.raw_data)) for r in rows]
 
     def _take(
         self, limit: int, owner: str, seconds: int, where: sql.LeaseFilter, expired_first: bool
@@ -210,24 +233,30 @@ class PhorgeQueue:
         check_seconds("lease seconds", seconds, minimum=1)
         if limit <= 0 or any(s is not None and not s for s in (where.classes, where.ids)):
             return 0
-        phases = [self._take_unleased, self._take_expired]
+        phases: list[_TakePhase] = [self._take_unleased, self._take_expired]
         won = 0
         for take_phase in reversed(phases) if expired_first else phases:
-            won += self._transaction(
-                lambda conn, take=take_phase, n=limit - won: take(conn, n, owner, seconds, where)
-            )
+            # A def, not a lambda: mypy cannot type a lambda with defaults (mypy#15459).
+            def phase(conn: Connection, take: _TakePhase = take_phase, n: int = limit - won) -> int:
+                return take(conn, n, owner, seconds, where)
+
+            won += self.transaction(phase)
             if won >= limit:
                 break
         return won
 
     @staticmethod
-    def _take_unleased(conn, limit, owner, seconds, where) -> int:
+    def _take_unleased(
+        conn: Connection, limit: int, owner: str, seconds: int, where: sql.LeaseFilter
+    ) -> int:
         rows = conn.execute(sql.select_unleased(limit, where)).all()
         ids = [row.id for row in rows]
         return conn.execute(sql.take_unleased(ids, owner, seconds)).rowcount if ids else 0
 
     @staticmethod
-    def _take_expired(conn, limit, owner, seconds, where) -> int:
+    def _take_expired(
+        conn: Connection, limit: int, owner: str, seconds: int, where: sql.LeaseFilter
+    ) -> int:
         rows = conn.execute(sql.select_expired(limit, where)).all()
         return conn.execute(sql.take_expired(rows, owner, seconds)).rowcount if rows else 0
 
@@ -250,58 +279,9 @@ class PhorgeQueue:
         """Hand back leases ``owner`` holds but never started; returns how many."""
         if not ids:
             return 0
-        return self._transaction(
-            lambda conn: conn.execute(sql.free_own_leases(ids, owner)).rowcount
-        )
+        return self.transaction(lambda conn: conn.execute(sql.free_own_leases(ids, owner)).rowcount)
 
-    # -- outcomes (fenced: see LeaseSession) ----------------------------------------------
-    #
-    # ``failure_count`` None leaves the failure count out of the fence, as PHP's own
-    # checks do; the executor always passes the count it was dispatched with.
-
-    def renew(
-        self, task_id: int, owner: str, seconds: int, *, failure_count: int | None = None
-    ) -> bool:
-        """Extend a held lease to now + ``seconds``."""
-        return self.session.renew(Lease(task_id, owner, failure_count), seconds)
-
-    def complete(
-        self,
-        task_id: int,
-        owner: str,
-        duration_us: int,
-        followups: Sequence[NewTask] = (),
-        *,
-        failure_count: int | None = None,
-    ) -> bool:
-        """Archive with result 0, then enqueue the follow-ups, in one transaction."""
-        return self.session.complete(Lease(task_id, owner, failure_count), duration_us, followups)
-
-    def fail_permanent(
-        self, task_id: int, owner: str, reason: str = "", *, failure_count: int | None = None
-    ) -> bool:
-        """Archive with result 1 and duration 0; ``reason`` goes to the log (no column)."""
-        won = self.session.fail_permanent(Lease(task_id, owner, failure_count))
-        if won:
-            log.warning("task %d failed permanently: %s", task_id, reason)
-        return won
-
-    def fail_temporary(
-        self,
-        task_id: int,
-        owner: str,
-        wait: int = DEFAULT_RETRY_WAIT,
-        *,
-        failure_count: int | None = None,
-    ) -> bool:
-        """Count a failure and hold the task back ``wait`` seconds; the owner stays."""
-        return self.session.fail_temporary(Lease(task_id, owner, failure_count), wait)
-
-    def yield_(
-        self, task_id: int, owner: str, seconds: int, *, failure_count: int | None = None
-    ) -> bool:
-        """Give the task back for at least 5 seconds without counting a failure."""
-        return self.session.yield_(Lease(task_id, owner, failure_count), seconds)
+    # -- follow-ups: the rare per-task outcome that needs SQLAlchemy --------------------
 
     def _complete_with(self, lease: Lease, duration_us: int, followups: Sequence[NewTask]) -> bool:
         """Archive with result 0 and enqueue follow-ups, in one SQLAlchemy transaction."""
@@ -326,7 +306,7 @@ class PhorgeQueue:
             self._insert_tasks(conn, inherited)
             return True
 
-        return self._transaction(work)
+        return self.transaction(work)
 
     # -- reads --------------------------------------------------------------------------
 
@@ -356,7 +336,7 @@ class PhorgeQueue:
         """
         with self.engine.connect() as conn:
             now = int(conn.execute(sql.server_time()).scalar_one())
-            stats = QueueStats(serverTime=now, archived_window=archived_window)
+            stats = QueueStats(server_time=now, archived_window=archived_window)
             oldest: int | None = None
             for task_class, state, count, first in conn.execute(
                 sql.count_active_by_class_and_state(now)
@@ -371,94 +351,3 @@ class PhorgeQueue:
                 stats.by_class.setdefault(task_class, {})[f"archived-{name}"] = count
         stats.oldest_queued_age = None if oldest is None else max(0, now - oldest)
         return stats
-
-    # -- operator actions (bin/worker) ----------------------------------------------------
-
-    def _act(
-        self,
-        selector: TaskFilter,
-        act: Callable[[Connection, Task], str],
-    ) -> list[ActionResult]:
-        if not selector.constrained:
-            raise ValueError("select the tasks to act on (ids, classes, ...): refusing all tasks")
-        results = []
-        for task in self.list(selector):
-            reason = self._transaction(lambda conn, task=task: act(conn, task))
-            results.append(ActionResult(task.id, task.label, not reason, reason))
-        return results
-
-    def cancel(self, selector: TaskFilter) -> list[ActionResult]:
-        """Archive active tasks as cancelled (result 2), breaking any lease."""
-
-        def act(conn: Connection, task: Task) -> str:
-            if task.archived:
-                return "ARCHIVED: already archived, and can not be cancelled"
-            row = conn.execute(sql.lock_active(task.id)).first()
-            if row is None:
-                return "ARCHIVED: archived meanwhile"
-            conn.execute(sql.cancel_archive(row))
-            conn.execute(sql.delete_active(task.id))
-            return ""
-
-        return self._act(selector, act)
-
-    def free(self, selector: TaskFilter) -> list[ActionResult]:
-        """Break the leases of leased active tasks (owner NULL, expires now)."""
-
-        def act(conn: Connection, task: Task) -> str:
-            if task.archived:
-                return "ARCHIVED: archived tasks do not have leases"
-            if conn.execute(sql.free_lease(task.id)).rowcount != 1:
-                return "FREE: has no active lease"
-            return ""
-
-        return self._act(selector, act)
-
-    def delay(self, selector: TaskFilter, until: int) -> list[ActionResult]:
-        """Hold unleased active tasks back until the epoch ``until``."""
-        check_seconds("until", until)
-
-        def act(conn: Connection, task: Task) -> str:
-            if task.archived:
-                return "ARCHIVED: already archived, and can not be delayed"
-            if conn.execute(sql.delay_until(task.id, until)).rowcount != 1:
-                return "LEASED: already leased, and can not be delayed"
-            return ""
-
-        return self._act(selector, act)
-
-    def set_priority(self, selector: TaskFilter, priority: int) -> list[ActionResult]:
-        """Reprioritize active tasks (a positive integer; smaller runs first)."""
-        check_priority(priority)
-
-        def act(conn: Connection, task: Task) -> str:
-            if task.archived:
-                return "ARCHIVED: already archived, and can not be reprioritized"
-            if conn.execute(sql.set_priority(task.id, priority)).rowcount != 1:
-                return f"UNCHANGED: already has priority {priority}"
-            return ""
-
-        return self._act(selector, act)
-
-    def retry(self, selector: TaskFilter, repeat: bool = False) -> list[ActionResult]:
-        """Re-queue archived tasks under their own id; succeeded ones only with ``repeat``."""
-
-        def act(conn: Connection, task: Task) -> str:
-            if not task.archived:
-                return "ACTIVE: already in the active task queue"
-            row = conn.execute(sql.lock_archived(task.id)).first()
-            if row is None:
-                return "ACTIVE: re-queued meanwhile"
-            if row.result == RESULT_SUCCESS and not repeat:
-                return "SUCCEEDED: already succeeded; use repeat to run it again"
-            conn.execute(sql.reinsert_active(row))
-            conn.execute(sql.delete_archived(task.id))
-            return ""
-
-        return self._act(selector, act)
-
-    def awaken(self, ids: Sequence[int]) -> int:
-        """Bring yielded, never-failed tasks forward (``awakenTaskIDs``); returns how many."""
-        if not ids:
-            return 0
-        return self._transaction(lambda conn: conn.execute(sql.awaken(ids)).rowcount)

@@ -3,10 +3,13 @@
 These mirror ``SHOW CREATE TABLE`` of a real install (``tests/reference/
 phorge-worker-schema.sql``): unsigned ints, nullability, key names, utf8mb4 with the
 binary collation. The bridge never alters them; ``create_all`` is only for tests and
-the embedded SQLite default.
+the embedded SQLite default. ``daemon_log`` is the one table outside the worker database
+that the bridge reads (doctor), with only the columns it reads; it is never created.
 """
 
 from __future__ import annotations
+
+from typing import Any, TypedDict, cast
 
 from sqlalchemy import (
     BigInteger,
@@ -21,8 +24,20 @@ from sqlalchemy import (
     TypeDecorator,
 )
 from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeEngine
 
-_MYSQL_TABLE = {
+
+class _MySQLTableOptions(TypedDict):
+    mysql_engine: str
+    mysql_charset: str
+    mysql_collate: str
+    mariadb_engine: str
+    mariadb_charset: str
+    mariadb_collate: str
+
+
+_MYSQL_TABLE: _MySQLTableOptions = {
     "mysql_engine": "InnoDB",
     "mysql_charset": "utf8mb4",
     "mysql_collate": "utf8mb4_bin",
@@ -42,15 +57,15 @@ class PHID(TypeDecorator[str]):
     impl = LargeBinary
     cache_ok = True
 
-    def load_dialect_impl(self, dialect):
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
         if dialect.name in ("mysql", "mariadb"):
             return dialect.type_descriptor(mysql.VARBINARY(64))
         return dialect.type_descriptor(LargeBinary(64))
 
-    def process_bind_param(self, value, dialect):
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> bytes | None:
         return None if value is None else value.encode("utf-8")
 
-    def process_result_value(self, value, dialect):
+    def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
         return None if value is None else bytes(value).decode("utf-8")
 
 
@@ -100,9 +115,11 @@ worker_archivetask = Table(
     Index("dateCreated", "dateCreated"),
     Index("key_modified", "dateModified"),
     Index("archive_key_object", "objectPHID").ddl_if(dialect="sqlite"),
-    Index("key_object", "objectPHID").ddl_if(dialect=("mysql", "mariadb")),
+    # ddl_if takes a tuple of dialect names (documented, and DDLIf checks for one), but
+    # SQLAlchemy annotates ``dialect`` as ``str | None``.
+    Index("key_object", "objectPHID").ddl_if(dialect=cast(str, ("mysql", "mariadb"))),
     Index("archive_key_container", "containerPHID").ddl_if(dialect="sqlite"),
-    Index("key_container", "containerPHID").ddl_if(dialect=("mysql", "mariadb")),
+    Index("key_container", "containerPHID").ddl_if(dialect=cast(str, ("mysql", "mariadb"))),
     **_MYSQL_TABLE,
 )
 
@@ -122,3 +139,38 @@ lisk_counter = Table(
     Column("counterValue", UBigInt, nullable=False),
     **_MYSQL_TABLE,
 )
+
+
+def daemon_log(database: str) -> Table:
+    """Phorge's daemon log in ``database`` (``{namespace}_daemon``, beside the worker
+    database): the columns the daemon console judges a daemon by. Not in ``metadata``."""
+    return Table(
+        "daemon_log",
+        MetaData(),
+        Column("daemon", String(255), nullable=False),
+        Column("status", String(8), nullable=False),
+        Column("dateModified", UInt, nullable=False),
+        schema=database,
+    )
+
+
+# The one place Phorge's column names meet Python's: a row read into a ``Task`` is
+# selected with these labels (``statements.task_columns``), so the record's fields are
+# snake_case and no per-row renaming runs.
+FIELDS: dict[str, str] = {
+    "id": "id",
+    "taskClass": "task_class",
+    "leaseOwner": "lease_owner",
+    "leaseExpires": "lease_expires",
+    "failureCount": "failure_count",
+    "dataID": "data_id",
+    "failureTime": "failure_time",
+    "priority": "priority",
+    "objectPHID": "object_phid",
+    "containerPHID": "container_phid",
+    "dateCreated": "date_created",
+    "dateModified": "date_modified",
+    "result": "result",
+    "duration": "duration",
+    "archivedEpoch": "archived_epoch",
+}

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Engine
 from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from bridge.queue import statements as sql
 from bridge.queue.dialect import is_mysql
@@ -36,7 +37,7 @@ from bridge.queue.model import (
     check_seconds,
     task_from_row,
 )
-from bridge.queue.retry import is_transient, retrying
+from bridge.queue.retry import fate_unknown, is_transient, retrying
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,16 @@ class Write(NamedTuple):
 
     steps: list[tuple[ClauseElement, dict[str, Any]]]
     archive: bool = False
+    # The read that finds the row as this write leaves it: asked when a connection was
+    # lost with the COMMIT in flight and the retry found the fence gone.
+    confirm: tuple[ClauseElement, dict[str, Any]] | None = None
 
     @classmethod
-    def guarded(cls, statement: ClauseElement, values: dict[str, Any]) -> Write:
+    def guarded(
+        cls, statement: ClauseElement, values: dict[str, Any], confirm: ClauseElement | None = None
+    ) -> Write:
         """One guarded UPDATE: held when it changed the row."""
-        return cls([(statement, values)])
+        return cls([(statement, values)], confirm=None if confirm is None else (confirm, values))
 
     @classmethod
     def archiving(cls, lease: Lease, result: int, duration_us: int) -> Write:
@@ -74,6 +80,7 @@ class Write(NamedTuple):
                 (sql.DELETE_ARCHIVED_ACTIVE, fence),
             ],
             archive=True,
+            confirm=(sql.ARCHIVED_BY, {**fence, "result": result}),
         )
 
     def held(self, counts: Sequence[int]) -> bool:
@@ -97,6 +104,7 @@ class LeaseSession:
         self._compiled: dict[int, Compiled] = {}
         self._queries: dict[tuple[tuple[str, ...], str | None], str] = {}  # by shape
         self._connection: Any = None
+        self._lost_in_flight = False  # the last _run lost a connection mid-statement
         # Follow-ups need ids from lisk_counter and data rows first: a rare path that
         # runs the same archive statements through SQLAlchemy (PhorgeQueue).
         self._write_followups = followup_writer
@@ -125,6 +133,7 @@ class LeaseSession:
         key = id(statement)
         if key not in self._compiled:
             compiled = statement.compile(dialect=self.engine.dialect)
+            assert isinstance(compiled, SQLCompiler)  # DML, SELECT and text, never DDL
             self._compiled[key] = Compiled(
                 compiled.string, tuple(compiled.positiontup or ()), dict(compiled.params)
             )
@@ -133,11 +142,14 @@ class LeaseSession:
     def _run(self, what: str, work: Callable[[Any], Any]) -> Any:
         """``work(cursor)`` with the retry policy; a failed attempt drops the connection."""
 
+        self._lost_in_flight = False
+
         def attempt() -> Any:
             cursor = self._dbapi().cursor()
             try:
                 return work(cursor)
             except Exception as exc:
+                self._lost_in_flight |= fate_unknown(exc)
                 if is_transient(exc) or not self._mysql:
                     self._drop()
                 else:
@@ -165,7 +177,7 @@ class LeaseSession:
         round trip on MariaDB; returns each step's row count and the row read (with
         ``data_json`` as its data, when given)."""
 
-        def work(cursor) -> tuple[list[int], Task | None]:
+        def work(cursor: Any) -> tuple[list[int], Task | None]:
             compiled = [(self._compile(statement), values) for statement, values in steps]
             query = (self._compile(read[0]), read[1]) if read is not None else None
             if not self._mysql:
@@ -202,7 +214,7 @@ class LeaseSession:
             rows = result.fetch_row()
             return counts, _task(rows[0] if rows else None, result.describe(), data_json)
 
-        result = self._run(what, work)
+        result: tuple[list[int], Task | None] = self._run(what, work)
         if read is not None and not self._mysql:
             self._dbapi().rollback()  # end SQLite's implicit read
         return result
@@ -222,7 +234,35 @@ class LeaseSession:
         """Write ``writes`` in one transaction (one round trip, one commit); returns
         whether each one's fence held. A lost fence writes nothing for its task alone."""
         counts, _ = self._script("outcome", [step for write in writes for step in write.steps])
-        return _held(writes, counts)
+        return self._verdicts(writes, counts)
+
+    def _verdicts(self, writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:
+        """Each write's verdict. When a connection was lost with the COMMIT in flight, a
+        fence the retry found gone may be this very write's doing: the row tells."""
+        held = _held(writes, counts)
+        if self._lost_in_flight:
+            held = [h or self.written(w) for h, w in zip(held, writes, strict=True)]
+        return held
+
+    def written(self, write: Write) -> bool:
+        """Whether the row is as ``write`` leaves it, under the same lease (a read)."""
+        if write.confirm is None or write.confirm[1].get("failure_count") is None:
+            return False
+        statement, values = write.confirm
+        compiled = self._compile(statement)
+
+        def work(cursor: Any) -> bool:
+            cursor.execute(compiled.sql, compiled.params(values))
+            return cursor.fetchone() is not None
+
+        found = bool(self._run(f"task {values['task_id']}: was its outcome written", work))
+        if not self._mysql:
+            self._dbapi().rollback()  # end SQLite's implicit read
+        if found:
+            log.warning(
+                "task %s: its outcome was written before the connection was lost", values["task_id"]
+            )
+        return found
 
     # -- the per-task path ------------------------------------------------------------
 
@@ -243,7 +283,7 @@ class LeaseSession:
             (statement, _fence(lease)),
             data_json,
         )
-        return _held(writes, counts), task
+        return self._verdicts(writes, counts), task
 
     def renew(self, lease: Lease, seconds: int) -> bool:
         """Extend a held lease to now + ``seconds`` (claim, heartbeat)."""
@@ -257,15 +297,6 @@ class LeaseSession:
             check_seconds("duration", duration_us, maximum=MAX_UINT64)
             return self._write_followups(lease, duration_us, followups)
         return self.apply([success(lease, duration_us)])[0]
-
-    def fail_permanent(self, lease: Lease) -> bool:
-        return self.apply([permanent_failure(lease)])[0]
-
-    def fail_temporary(self, lease: Lease, wait: int) -> bool:
-        return self.apply([temporary_failure(lease, wait)])[0]
-
-    def yield_(self, lease: Lease, seconds: int) -> bool:
-        return self.apply([yielded(lease, seconds)])[0]
 
 
 # -- outcomes, as writes that LeaseSession.apply sends alone or together --------------
@@ -288,7 +319,7 @@ def temporary_failure(lease: Lease, wait: int) -> Write:
     A negative wait is Phorge's too (its tests use -60): the lease then expired
     ``-wait`` seconds ago, so the task is due at once, behind older expiries."""
     check_seconds("retry wait", wait, minimum=-MAX_UINT32)
-    return Write.guarded(sql.FAIL_TEMPORARY, {**_fence(lease), "wait": wait})
+    return Write.guarded(sql.FAIL_TEMPORARY, {**_fence(lease), "wait": wait}, sql.FAILED_BY)
 
 
 def yielded(lease: Lease, seconds: int) -> Write:
@@ -296,7 +327,7 @@ def yielded(lease: Lease, seconds: int) -> Write:
     (shorter yields, negative ones included, last 5 seconds, as in Phorge)."""
     check_seconds("yield seconds", seconds, minimum=-MAX_UINT32)
     seconds = max(seconds, MIN_YIELD_SECONDS)
-    return Write.guarded(sql.YIELD_LEASE, {**_fence(lease), "seconds": seconds})
+    return Write.guarded(sql.YIELD_LEASE, {**_fence(lease), "seconds": seconds}, sql.YIELDED_FROM)
 
 
 def _held(writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:
@@ -312,13 +343,15 @@ def _params(compiled: list[tuple[Compiled, dict[str, Any]]]) -> list[Any]:
     return [p for c, values in compiled for p in c.params(values)]
 
 
-def _task(row: tuple | None, description: Sequence[tuple], data_json: str | None) -> Task | None:
+def _task(
+    row: tuple[Any, ...] | None, description: Sequence[tuple[Any, ...]], data_json: str | None
+) -> Task | None:
     """The Task of a row read with its ``description`` (the DB-API's)."""
     if row is None:
         return None
     fields = dict(zip([column[0] for column in description], row, strict=True))
     if data_json is not None:
-        fields["rawData"] = data_json
+        fields["raw_data"] = data_json
     return task_from_row(fields)
 
 

@@ -1,4 +1,5 @@
-"""Every statement the bridge runs against Phorge's queue tables, named after what it does.
+"""Every statement the bridge runs against Phorge's tables, named after what it does:
+the queue's four, and the daemon log beside them that ``doctor`` reads.
 
 Each builder says which Phorge code it reproduces. Guarded statements carry their
 guard in the WHERE clause so that the affected-row count alone says who won; a
@@ -18,9 +19,11 @@ from sqlalchemy import (
     Insert,
     Integer,
     Join,
+    Label,
     LargeBinary,
     Select,
     String,
+    Table,
     Update,
     and_,
     bindparam,
@@ -33,6 +36,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    union_all,
     update,
 )
 
@@ -44,6 +48,7 @@ from bridge.queue.model import (
     State,
     TaskFilter,
 )
+from bridge.queue.schema import FIELDS, daemon_log, lisk_counter
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 from bridge.queue.schema import worker_taskdata as taskdata
@@ -94,15 +99,15 @@ def insert_active(task_id: int, data_id: int, task: NewTask) -> Insert:
     """A new queued row: no owner, ``leaseExpires`` = delayUntil, no failures."""
     return insert(active).values(
         id=task_id,
-        taskClass=task.taskClass,
+        taskClass=task.task_class,
         leaseOwner=None,
-        leaseExpires=task.delayUntil,
+        leaseExpires=task.delay_until,
         failureCount=0,
         dataID=data_id,
         failureTime=None,
         priority=task.priority,
-        objectPHID=task.objectPHID,
-        containerPHID=task.containerPHID,
+        objectPHID=task.object_phid,
+        containerPHID=task.container_phid,
         dateCreated=db_now(),
         dateModified=db_now(),
     )
@@ -118,7 +123,7 @@ def _unleased_due() -> list[ColumnElement[bool]]:
     ]
 
 
-def select_unleased(limit: int, where: LeaseFilter) -> Select:
+def select_unleased(limit: int, where: LeaseFilter) -> Select[Any]:
     """Phase 1 candidates: never-leased (or freed) due tasks, ``priority, id`` order."""
     return (
         select(active.c.id)
@@ -137,7 +142,7 @@ def take_unleased(ids: Sequence[int], owner: str, seconds: int) -> Update:
     )
 
 
-def select_expired(limit: int, where: LeaseFilter) -> Select:
+def select_expired(limit: int, where: LeaseFilter) -> Select[Any]:
     """Phase 2 candidates: owned rows whose lease (or retry wait, or yield) ran out.
 
     Oldest expiry first, so a task that keeps failing goes to the back.
@@ -164,9 +169,15 @@ def take_expired(rows: Iterable[tuple[int, str]], owner: str, seconds: int) -> U
     )
 
 
+def task_columns(table: Table, names: Iterable[str] | None = None) -> list[Label[Any]]:
+    """``table``'s columns (or those ``names``) labelled as ``Task`` names its fields."""
+    columns = table.c if names is None else [table.c[name] for name in names]
+    return [column.label(FIELDS[column.name]) for column in columns]
+
+
 def _data_bytes() -> ColumnElement[bytes]:
     """The data column as bytes: one row a UTF-8 connection cannot decode must fail alone."""
-    return cast(taskdata.c.data, LargeBinary).label("rawData")
+    return cast(taskdata.c.data, LargeBinary).label("raw_data")
 
 
 def _active_with_data() -> Join:
@@ -174,23 +185,25 @@ def _active_with_data() -> Join:
     return active.outerjoin(taskdata, taskdata.c.id == active.c.dataID)
 
 
-def _with_data(query: Select) -> Select:
+def _with_data(query: Select[Any]) -> Select[Any]:
     """``query`` plus the row's data (NULL when the data row is missing)."""
     return query.add_columns(_data_bytes()).select_from(_active_with_data())
 
 
-def select_leased(owner: str) -> Select:
+def select_leased(owner: str) -> Select[Any]:
     """The rows a lease just won, with their data and the server's clock."""
-    query = select(active, db_now().label("serverTime")).where(_held_by(owner))
+    query = select(*task_columns(active), db_now().label("server_time")).where(_held_by(owner))
     return _with_data(query).order_by(active.c.priority, active.c.id)
 
 
-def select_leased_to_send(owner: str, inline_max: int) -> Select:
+def select_leased_to_send(owner: str, inline_max: int) -> Select[Any]:
     """The rows a dispatch lease just won, as their messages carry them: the fence, the
     class, and the data (undecoded bytes) only when it is at most ``inline_max`` bytes."""
     data = taskdata.c.data
     small = case((func.length(data) <= inline_max, cast(data, LargeBinary)), else_=None)
-    query = select(active.c.id, active.c.failureCount, active.c.taskClass, small.label("rawData"))
+    query = select(
+        *task_columns(active, ("id", "failureCount", "taskClass")), small.label("raw_data")
+    )
     return (
         query.select_from(_active_with_data())
         .where(_held_by(owner))
@@ -228,7 +241,7 @@ _FENCE = and_(
     active.c.leaseExpires > db_now(),
 )
 
-HELD = select(active, db_now().label("serverTime")).where(_FENCE)
+HELD = select(*task_columns(active), db_now().label("server_time")).where(_FENCE)
 """The held row (the check before a run), without its data."""
 
 HELD_WITH_DATA = _with_data(HELD)
@@ -286,8 +299,35 @@ YIELD_LEASE = (
 )
 """Yield: owner ``(yield)`` until now + seconds; failureCount unchanged."""
 
+# -- was it written? After a connection lost with a COMMIT in flight, the row tells ---------
+#
+# Each finds the row as its outcome leaves it, under the same lease (owner, count).
 
-def count_held_by_class(owner_prefix: str) -> Select:
+ARCHIVED_BY = select(archive.c.id).where(
+    archive.c.id == bindparam("task_id", type_=Integer),
+    archive.c.leaseOwner == bindparam("owner", type_=String),
+    archive.c.failureCount == bindparam("failure_count", type_=Integer),
+    archive.c.result == bindparam("result", type_=Integer),
+)
+"""The archive row an archiving outcome under this lease wrote."""
+
+FAILED_BY = select(active.c.id).where(
+    active.c.id == bindparam("task_id", type_=Integer),
+    active.c.leaseOwner == bindparam("owner", type_=String),
+    active.c.failureCount == bindparam("failure_count", type_=Integer) + 1,
+    active.c.failureTime.is_not(None),
+)
+"""The active row a temporary failure under this lease left (one more failure)."""
+
+YIELDED_FROM = select(active.c.id).where(
+    active.c.id == bindparam("task_id", type_=Integer),
+    active.c.leaseOwner == YIELD_OWNER,
+    active.c.failureCount == bindparam("failure_count", type_=Integer),
+)
+"""The active row a yield left (owner ``(yield)``, the failure count unchanged)."""
+
+
+def count_held_by_class(owner_prefix: str) -> Select[Any]:
     """Live leases per class whose owner is ``owner_prefix:...`` (the poller's capacity).
 
     Rows waiting to retry keep their failed run's owner; they are not in flight.
@@ -304,7 +344,7 @@ def count_held_by_class(owner_prefix: str) -> Select:
     )
 
 
-def select_task_classes() -> Select:
+def select_task_classes() -> Select[Any]:
     """Distinct task classes in the active table (an index-only scan of ``taskClass``)."""
     return select(active.c.taskClass).distinct()
 
@@ -312,7 +352,7 @@ def select_task_classes() -> Select:
 # -- insert_archive also serves cancel ------------------------------------------------
 
 
-def archived_priority(task_id: int) -> Select:
+def archived_priority(task_id: int) -> Select[Any]:
     """The priority an archived row kept (its follow-ups inherit it)."""
     return select(archive.c.priority).where(archive.c.id == task_id)
 
@@ -342,7 +382,7 @@ def free_own_leases(ids: Sequence[int], owner: str) -> Update:
 # -- operator actions: bin/worker ---------------------------------------------------------
 
 
-def lock_active(task_id: int) -> Select:
+def lock_active(task_id: int) -> Select[Any]:
     return select(active).where(active.c.id == task_id).with_for_update()
 
 
@@ -382,7 +422,7 @@ def set_priority(task_id: int, priority: int) -> Update:
     )
 
 
-def lock_archived(task_id: int) -> Select:
+def lock_archived(task_id: int) -> Select[Any]:
     return select(archive).where(archive.c.id == task_id).with_for_update()
 
 
@@ -427,7 +467,7 @@ def awaken(ids: Sequence[int]) -> Update:
 # -- reads: bin/worker's selectors, the daemon console's counts ---------------------------
 
 
-def select_tasks(table, selector: TaskFilter) -> Select:
+def select_tasks(table: Table, selector: TaskFilter) -> Select[Any]:
     """Rows of ``table`` (active or archive) matching ``selector``, with their data."""
     c = table.c
     where: list[ColumnElement[bool]] = []
@@ -435,10 +475,10 @@ def select_tasks(table, selector: TaskFilter) -> Select:
         where.append(c.id.in_(list(selector.ids)))
     if selector.classes is not None:
         where.append(c.taskClass.in_(list(selector.classes)))
-    if selector.containerPHIDs is not None:
-        where.append(c.containerPHID.in_(list(selector.containerPHIDs)))
-    if selector.objectPHIDs is not None:
-        where.append(c.objectPHID.in_(list(selector.objectPHIDs)))
+    if selector.container_phids is not None:
+        where.append(c.containerPHID.in_(list(selector.container_phids)))
+    if selector.object_phids is not None:
+        where.append(c.objectPHID.in_(list(selector.object_phids)))
     if selector.min_failure_count is not None:
         where.append(c.failureCount >= selector.min_failure_count)
     if selector.max_failure_count is not None:
@@ -448,7 +488,7 @@ def select_tasks(table, selector: TaskFilter) -> Select:
     if selector.max_priority is not None:
         where.append(c.priority <= selector.max_priority)
     query = (
-        select(table, _data_bytes(), db_now().label("serverTime"))
+        select(*task_columns(table), _data_bytes(), db_now().label("server_time"))
         .select_from(table.outerjoin(taskdata, taskdata.c.id == c.dataID))
         .where(*where)
         .order_by(c.id.desc())
@@ -472,7 +512,7 @@ def state_case(now: int) -> ColumnElement[str]:
     )
 
 
-def count_active_by_class_and_state(now: int) -> Select:
+def count_active_by_class_and_state(now: int) -> Select[Any]:
     """Active rows per (class, state), with the oldest creation time of each group."""
     state = state_case(now).label("state")
     return select(active.c.taskClass, state, func.count(), func.min(active.c.dateCreated)).group_by(
@@ -480,7 +520,7 @@ def count_active_by_class_and_state(now: int) -> Select:
     )
 
 
-def count_archived_by_class_and_result(since: int) -> Select:
+def count_archived_by_class_and_result(since: int) -> Select[Any]:
     """Archived rows per (class, result) modified since ``since`` (the ``key_modified`` index)."""
     return (
         select(archive.c.taskClass, archive.c.result, func.count())
@@ -489,14 +529,56 @@ def count_archived_by_class_and_result(since: int) -> Select:
     )
 
 
-def server_time() -> Select:
+# -- doctor: the task id counter, Phorge's daemon console ----------------------------------
+
+
+def select_task_id_counter() -> Select[Any]:
+    """lisk_counter's ``worker_activetask`` value, the next ids' base (none: no row yet)."""
+    return select(lisk_counter.c.counterValue).where(
+        lisk_counter.c.counterName == "worker_activetask"
+    )
+
+
+def select_highest_task_id() -> Select[Any]:
+    """The highest task id, active or archived (NULL in an empty queue)."""
+    highest = union_all(select(func.max(active.c.id).label("id")), select(func.max(archive.c.id)))
+    ids = highest.subquery("ids")
+    return select(func.max(ids.c.id))
+
+
+def count_taskmasters(
+    database: str, unknown_after: int, dead_after: int, running: Sequence[str]
+) -> Select[int, int, int]:
+    """PhabricatorDaemonLogQuery's verdicts on taskmasters with a ``running`` status in the
+    daemon log of ``database``: how many have a heartbeat at most ``unknown_after``
+    seconds old (live), at most ``dead_after`` (unknown), and older (dead)."""
+    log = daemon_log(database)
+    age = db_now() - log.c.dateModified
+
+    def count(condition: ColumnElement[bool]) -> ColumnElement[int]:
+        return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
+
+    return select(
+        count(age <= unknown_after),
+        count(and_(age > unknown_after, age <= dead_after)),
+        count(age > dead_after),
+    ).where(log.c.status.in_(list(running)), log.c.daemon.like("%TaskmasterDaemon"))
+
+
+def server_time() -> Select[Any]:
     return select(db_now())
 
 
-def get_lock(name: str) -> Select:
+def probe_writes() -> Update:
+    """A write that changes nothing (no task has id 0): a server that refuses writes
+    (read-only) refuses it too, so it tells when writes are accepted again."""
+    return update(active).where(active.c.id == 0).values(id=active.c.id)
+
+
+def get_lock(name: str) -> Select[Any]:
     """MySQL's named lock, taken without waiting, with the server's clock."""
     return select(func.get_lock(name, 0), db_now())
 
 
-def release_lock(name: str) -> Select:
+def release_lock(name: str) -> Select[Any]:
     return select(func.release_lock(name))

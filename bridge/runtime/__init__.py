@@ -1,0 +1,17 @@
+"""The Celery runtime: the tasks, beat's scheduler, worker hooks and Celery's settings
+around the Celery-free engine (``bridge.engine``), registered on an app by
+:func:`install`."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+
+def install(app: Celery) -> None:
+    """Register the bridge's tasks, signals and worker options on ``app``."""
+    from bridge.runtime import execute, lifecycle, liveness, poller
+
+    execute.install(app)
+    poller.install(app)
+    lifecycle.install(app)
+    liveness.install(app)

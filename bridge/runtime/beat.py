@@ -8,9 +8,12 @@ sends the poll as close to its due time.
 
 from __future__ import annotations
 
+from typing import cast
+
 from celery.beat import Scheduler
 
 
 class PollScheduler(Scheduler):
     def adjust(self, n: float, drift: float = -0.010) -> float:
-        return super().adjust(n, drift=0.0)
+        # celery-types says ``n: int``; Celery passes the float seconds until an entry is due.
+        return super().adjust(cast(int, n), drift=0.0)

@@ -162,6 +162,8 @@ class ConsumerWatch:
                     status.due,
                 )
             elif not status.stranded and status.queue in before:
+                # Stranded before: this broker answers the control API, so consumers is known.
+                assert status.consumers is not None
                 log.warning("queue %s is consumed again (%s)", status.queue, ", ".join(
                     status.consumers) or "no rows due")  # fmt: skip
 

@@ -1,12 +1,6 @@
 """Leased rows to Celery messages: one ``bridge.execute`` a task, or, under a backlog,
-``bridge.execute_batch`` messages carrying several tasks of one queue each.
-
-A Celery message costs the worker about as much CPU as a short task's own work (the
-delivery, the pipe to a prefork child, the ack), so a queue holding many leases sends
-its tasks in batches. The size follows the queue's leases in flight, not one poll's
-catch: a queue at its capacity holds about ``SPREAD`` messages whatever the poll
-interval, so up to that many processes or threads are busy, and a light load keeps one
-Celery task per Phorge task (Flower shows each one's state).
+``bridge.execute_batch`` messages carrying several tasks of one queue each (how many:
+``bridge.engine.poll.batch_size``).
 """
 
 from __future__ import annotations
@@ -16,30 +10,29 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from celery import Celery
 from kombu import Queue
 from kombu.utils.uuid import uuid
 
-from bridge.celery import app
+from bridge.engine.metrics import DISPATCHED
+from bridge.engine.tracing import TRACEPARENT_HEADER, TaskTrace, new_traceparent, traced
 from bridge.queue.model import Leased
-from bridge.runtime.metrics import DISPATCHED
-from bridge.runtime.tracing import TRACEPARENT_HEADER, TaskTrace, new_traceparent, traced
 
 log = logging.getLogger(__name__)
 
 EXECUTE_TASK = "bridge.execute"
 EXECUTE_BATCH = "bridge.execute_batch"
-SPREAD = 32
-
-
-def batch_size(in_flight: int, batch_max: int) -> int:
-    """Tasks a message carries for a queue holding ``in_flight`` leases (this dispatch's
-    included): one each below ``2 * SPREAD``, else enough to make ``SPREAD`` messages of
-    them, at most ``batch_max``."""
-    return max(1, min(batch_max, in_flight // SPREAD))
 
 
 def publish(
-    producer: Any, queue: Queue, name: str, args: tuple, kwargs: dict, argsrepr: str, trace: str
+    app: Celery,
+    producer: Any,
+    queue: Queue,
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    argsrepr: str,
+    trace: str,
 ) -> None:
     """Send one message with Celery's own message builder and sender.
 
@@ -69,9 +62,12 @@ def publish(
     )
 
 
-def send(owner: str, tasks: Sequence[Leased], queue: str, size: int, mark: bool = False) -> int:
+def send(
+    app: Celery, owner: str, tasks: Sequence[Leased], queue: str, size: int, mark: bool = False
+) -> int:
     """Send ``tasks`` (leased by ``owner``) to ``queue``, ``size`` a message; returns how
-    many were sent before any error. ``mark`` asks the middle message to poll once run."""
+    many were sent before any error. ``mark`` asks the middle message to poll once run
+    (``bridge.engine.poll.Send``, with the app bound)."""
     groups = [tasks[at : at + size] for at in range(0, len(tasks), size)]
     marked = len(groups) // 2 if mark else None
     target = app.amqp.queues[queue]
@@ -83,17 +79,18 @@ def send(owner: str, tasks: Sequence[Leased], queue: str, size: int, mark: bool 
         for index, group in enumerate(groups):
             kwargs: dict[str, object] = {"repoll": True} if index == marked else {}
             traceparent = new_traceparent()
+            args: tuple[Any, ...]
             if len(group) == 1:
                 task = group[0]
                 name, args = EXECUTE_TASK, (task.id, owner, task.failure_count)
-                kwargs["taskClass"] = task.task_class
+                kwargs["task_class"] = task.task_class
                 if task.data is not None:
                     kwargs["data"] = task.data
             else:
                 name, args = EXECUTE_BATCH, (owner, [list(task) for task in group])
             try:
                 argsrepr = repr(tuple(task.label for task in group))
-                publish(producer, target, name, args, kwargs, argsrepr, traceparent)
+                publish(app, producer, target, name, args, kwargs, argsrepr, traceparent)
             except Exception as exc:
                 log.error("dispatch to %s failed after %d of %d: %s", queue, sent, len(tasks), exc)
                 break

@@ -1,10 +1,11 @@
 """Worker lifecycle hooks: task tags on log lines, metrics exporter at start, lease
-hand-back at warm shutdown."""
+hand-back at warm shutdown; connected for an app by :func:`install`."""
 
 from __future__ import annotations
 
 import logging
 
+from celery import Celery
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
@@ -13,26 +14,22 @@ from celery.signals import (
 )
 from celery.worker import state
 
-from bridge.celery import app
+from bridge.engine.context import runtime
+from bridge.engine.metrics import serve
+from bridge.engine.tracing import tag_log_lines
 from bridge.queue import Lease
 from bridge.runtime.consumers import ConsumersCollector, ConsumerWatch, survey
-from bridge.runtime.context import runtime
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK
-from bridge.runtime.metrics import serve
-from bridge.runtime.tracing import tag_log_lines
 
 log = logging.getLogger(__name__)
 
 
-@after_setup_logger.connect
-@after_setup_task_logger.connect
-def tag_task_log_lines(logger: logging.Logger, **_kwargs) -> None:
+def tag_task_log_lines(logger: logging.Logger, **_kwargs: object) -> None:
     """Every line logged while a task runs names it (id, class, owner, traceparent)."""
     tag_log_lines(logger)
 
 
-@worker_ready.connect
-def start_metrics(**_kwargs) -> None:
+def start_metrics(app: Celery) -> None:
     rt = runtime()
     settings = rt.settings
     if settings.metrics_port:
@@ -80,8 +77,15 @@ def free_unstarted() -> int:
     return freed
 
 
-@worker_shutting_down.connect
-def hand_back_leases(**_kwargs) -> None:
+def hand_back_leases(**_kwargs: object) -> None:
     freed = free_unstarted()
     if freed:
         log.info("handed back %d unstarted lease(s)", freed)
+
+
+def install(app: Celery) -> None:
+    """Connect the hooks for workers of ``app``."""
+    after_setup_logger.connect(tag_task_log_lines, weak=False)
+    after_setup_task_logger.connect(tag_task_log_lines, weak=False)
+    worker_ready.connect(lambda **_: start_metrics(app), weak=False)
+    worker_shutting_down.connect(hand_back_leases, weak=False)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 from celery import Celery, bootsteps
@@ -69,7 +69,8 @@ class Liveness(bootsteps.ConsumerStep):
         if c.connection is None:  # gone with the broker: nothing left to cancel or close
             self.consumers = None
             return
-        super()._close(c, cancel_consumers)
+        # ``ConsumerStep._close`` is private: celery-types does not declare it.
+        cast(Any, super())._close(c, cancel_consumers)
 
     def send(self) -> None:
         if self.producer is None:

@@ -1,10 +1,9 @@
-"""EVERY use of the bridge's internals by the bench is in this file, and only here.
+"""EVERY use of the bridge's Python API by the bench is in this file, and only here.
 
-The bridge package is being restructured; whoever moves ``bridge.queue``,
-``bridge.runtime`` or changes ``Batch``/``attempt``/``lease`` updates the function below and
-nothing else in ``scripts/``. They are imported lazily, inside the function, so the
-bench's other parts (the reference taskmaster, the ceilings, the report) work even
-while the bridge is broken mid-refactor.
+It uses the engine's public seams only: ``bridge.engine.run.observe`` for the run
+timings, and the engine's ``Batch`` and the queue's lease for the SQL loop. They are
+imported inside the functions, so the bench's other parts (the reference taskmaster,
+the ceilings, the report) run without the bridge installed.
 
 The bench otherwise treats the bridge as a black box: ``celery -A bridge beat`` and
 ``celery -A bridge worker``, configured by ``BRIDGE_*`` variables, and the Celery task
@@ -42,19 +41,22 @@ class SqlPath:
 
 def sql_path() -> SqlPath:
     """The bridge's lease and execute functions, configured from the ``BRIDGE_*`` env."""
-    from bridge.queue.model import Leased, new_owner
-    from bridge.runtime.context import runtime
-    from bridge.runtime.dispatch import batch_size
-    from bridge.runtime.execute import Batch
+    from bridge.engine.batch import Batch
+    from bridge.engine.context import runtime
+    from bridge.engine.poll import batch_size
+    from bridge.queue.model import Leased
 
     rt = runtime()
     settings = rt.settings
 
     def lease(limit: int) -> list[LeasedTask]:
         # As a poll does: the classes present, then the dispatch lease.
-        owner, classes = new_owner(settings.owner_prefix), rt.queue.task_classes()
-        tasks = rt.queue.lease_to_send(
-            limit, owner, settings.dispatch_lease, classes, settings.inline_data_max
+        owner, tasks = rt.queue.lease_to_send(
+            limit,
+            settings.owner_prefix,
+            settings.dispatch_lease,
+            rt.queue.task_classes(),
+            settings.inline_data_max,
         )
         return [LeasedTask(t.id, owner, t.failure_count, t.data) for t in tasks]
 
@@ -76,18 +78,15 @@ def sql_path() -> SqlPath:
 
 def observe_runs(started: Callable[[int], None], ended: Callable[[int], None]) -> None:
     """Call ``started(id)`` as each Phorge task's run begins (its lease checked) and
-    ``ended(id)`` once its outcome is written: a Celery message may carry several."""
-    from bridge.runtime import execute
+    ``ended(id)`` once its outcome is written: a Celery message may carry several.
+    Through the engine's public observer hook."""
+    from bridge.engine.run import RunObserver, observe
 
-    attempt, record = execute.attempt, execute.Batch.record
+    class Timing(RunObserver):
+        def run_started(self, lease: Any) -> None:
+            started(lease.task_id)
 
-    def timed_attempt(rt: Any, lease: Any, *args: Any) -> Any:
-        started(lease.task_id)
-        return attempt(rt, lease, *args)
+        def run_ended(self, item: Any, ran: Any) -> None:
+            ended(item.id)
 
-    def timed_record(self: Any, item: Any, ran: Any) -> None:
-        record(self, item, ran)
-        ended(item.id)
-
-    execute.attempt = timed_attempt
-    execute.Batch.record = timed_record  # type: ignore[method-assign]
+    observe(Timing())

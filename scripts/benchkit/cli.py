@@ -16,7 +16,7 @@ import tempfile
 import time
 import traceback
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,42 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(--list shows the names)",
     )
     parser.add_argument("--list", action="store_true", help="print the scenario names and exit")
-    sizes = Sizes()
-    for name, help_text in (
-        ("noop", "no-op tasks per run"),
-        ("sleep10", "10 ms tasks per run"),
-        ("io50", "50 ms tasks per bridge run"),
-        ("ceiling", "tasks per ceiling run"),
-        ("light", "light-load latency samples"),
-    ):
-        parser.add_argument(
-            f"--{name}-tasks" if name != "light" else "--light-samples",
-            dest=name,
-            type=int,
-            help=f"{help_text} (default {getattr(sizes, name)}; --quick: less)",
-        )
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=30,
-        help="fail a run when nothing is archived for this long (default 30 s)",
-    )
-    parser.add_argument(
-        "--phorge-root",
-        default=os.environ.get("PHORGE_ROOT", ""),
-        help="a Phorge checkout with arcanist beside it: also run phd (default $PHORGE_ROOT)",
-    )
     return parser.parse_args(argv)
-
-
-def sizes_from(args: argparse.Namespace) -> Sizes:
-    sizes = plan.QUICK if args.quick else Sizes()
-    given = {
-        name: getattr(args, name)
-        for name in ("noop", "sleep10", "io50", "ceiling", "light")
-        if getattr(args, name) is not None
-    }
-    return replace(sizes, **given)
 
 
 @dataclass
@@ -184,8 +149,9 @@ def raise_interrupt(signum: int, _frame: Any) -> None:
 
 def main(tuned: dict[str, str], argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sizes = sizes_from(args)
-    phorge_root = Path(args.phorge_root).resolve() if args.phorge_root else None
+    sizes = plan.QUICK if args.quick else Sizes()
+    root = os.environ.get("PHORGE_ROOT")  # a Phorge checkout with arcanist beside it: phd too
+    phorge_root = Path(root).resolve() if root else None
     only = [p.strip() for p in args.only.split(",") if p.strip()]
     scenarios = plan.build(sizes, phorge_root is not None, only)
     if args.list or not scenarios:
@@ -258,5 +224,5 @@ def set_up(
         "STRICT_ALL_TABLES, utf8mb4_bin; tables from tests/reference/phorge-worker-schema.sql."
     )
     context.facts = machine.describe(conn, REPO)
-    runner = Runner(conn, server.proc.pid, args.stall_timeout, log)
+    runner = Runner(conn, server.proc.pid, log)
     return Bench(scratch, server, broker, conn, runner, tuned, log, phd_env, phorge_root, phd_error)

@@ -37,7 +37,6 @@ class Consumer:
     execute_name: str = ""  # the record name of one executed Phorge task
     poll_name: str | None = None  # the record name of a poll, if polls run in the workers
     roles: dict[str, list[procs.Proc]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
     stop_signal: int = signal.SIGTERM
     cycle: float = 1.0  # seconds between two looks at the queue when idle
 

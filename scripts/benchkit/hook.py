@@ -7,9 +7,7 @@ so the bridge itself is measured unmodified. In every process it:
 - counts database requests where they leave the process: MySQLdb's cursor ``execute``
   (one round trip, possibly several ``;``-separated statements, split once per SQL
   text), any other ``query``, ``commit``, ``rollback``, ``ping`` (pool pre-ping) and
-  ``autocommit``. SQLAlchemy's engine events would miss statements sent on a raw DBAPI
-  connection (the bridge's per-task session does that), so the count is taken one
-  layer down, below SQLAlchemy, which every consumer here goes through;
+  ``autocommit``;
 - records each finished Celery task (``task_prerun``/``task_postrun``): its first
   argument (the Phorge task id for ``bridge.execute``), start and end (``time.time()``),
   thread CPU, and the counters so far (``records.RecordWriter``); in a bridge worker
@@ -18,6 +16,17 @@ so the bridge itself is measured unmodified. In every process it:
   only at INFO, which would slow the worker down).
 
 Everything is off unless ``BENCH_RECORD_DIR`` is set, so a stray import does nothing.
+
+Why the count wraps the driver's methods. Nothing of the bridge is patched: its runs are
+timed through the engine's observer hook (``bridge_api.observe_runs``), and the Celery
+tasks through Celery's signals. But no seam counts requests, and the product should not
+carry one for the bench: the count must be taken the same way in every consumer (the
+bridge, the reference taskmaster, the SQL loop), where the requests leave the process,
+and that is MySQLdb, which has no hook of its own. So its public ``Connection`` and
+``BaseCursor`` methods are wrapped, in the measured processes only. One layer up,
+SQLAlchemy's engine events would miss the bridge's per-task round trips, which go
+through the raw DBAPI connection (read with ``next_result``); the server's status
+counters (reported beside these) cannot be split by process or task.
 """
 
 from __future__ import annotations

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import MySQLdb
+import phorge_checkout
 
 from benchkit.mariadb import PASSWORD, USER, Server
 from benchkit.procs import BenchError
 
 UPGRADE_TIMEOUT = 1800
+PHP_MODULES = ("mysqli", "curl", "mbstring", "pcntl")  # what phd needs of PHP
 
 
 @dataclass
@@ -39,23 +41,10 @@ class Install:
 
 def check_checkout(root: Path) -> None:
     """Refuse early, with the reason, when phd cannot run from ``root``."""
-    missing = [
-        str(path)
-        for path in (
-            root / "bin" / "phd",
-            root / "bin" / "storage",
-            root.parent / "arcanist" / "src" / "__phutil_library_map__.php",
-        )
-        if not path.exists()
-    ]
-    if missing:
-        raise BenchError(f"PHORGE_ROOT={root} is not a Phorge checkout: no {', '.join(missing)}")
-    if shutil.which("php") is None:
-        raise BenchError("php is not installed (apt-get install php-cli php-mysql ...)")
-    modules = subprocess.run(["php", "-m"], capture_output=True, text=True).stdout.split()
-    absent = [m for m in ("mysqli", "curl", "mbstring", "pcntl") if m not in modules]
-    if absent:
-        raise BenchError(f"PHP lacks {', '.join(absent)} (apt-get install php-mysql ...)")
+    try:
+        phorge_checkout.check_checkout(root, php_modules=PHP_MODULES)
+    except phorge_checkout.NotACheckout as exc:
+        raise BenchError(str(exc)) from None
 
 
 def local_config(server: Server, scratch: Path) -> dict[str, str]:

@@ -17,7 +17,7 @@ DATABASE = "phabricator_worker"  # Phorge's default namespace
 TASK_CLASS = "PhabricatorTestWorker"
 PRIORITY_DEFAULT = 2000
 WORKER_TABLES = ("worker_activetask", "worker_archivetask", "worker_taskdata", "lisk_counter")
-STATUS_NAMES = ("Questions", "Com_commit", "Com_rollback", "Handler_commit")
+STATUS_NAMES = ("Questions", "Com_commit")
 # Writes of the redo log, each flushed to disk with durable commits: one per group of
 # commits that wrote. Global only, and the bench's own reads never write it.
 GLOBAL_ONLY_NAMES = ("Innodb_log_writes",)

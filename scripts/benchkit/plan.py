@@ -81,15 +81,16 @@ def workloads(sizes: Sizes) -> list[tuple[Workload, int, str, tuple[int, ...]]]:
 
 
 def references(kind: str, sizes: Sizes) -> list[Scenario]:
-    """Phorge-style taskmasters: every process count on no-op and 10 ms, one on 50 ms."""
+    """Phorge-style taskmasters: every process count on no-op, one process on 10 ms (what
+    the ratios compare with) and, the reference taskmaster only, on 50 ms."""
+    runs = [(NOOP, sizes.noop, n) for n in sizes.taskmasters] + [(SLEEP10, sizes.sleep10, 1)]
+    if kind == "taskmaster":
+        runs.append((IO50, sizes.reference_io50, 1))
     found = []
-    for workload, tasks in ((NOOP, sizes.noop), (SLEEP10, sizes.sleep10)):
-        for n in sizes.taskmasters:
-            light = sizes.light if n == sizes.taskmasters[0] else 0
-            name = f"{kind}-{workload.key}-p{n}"
-            found.append(Scenario(name, kind, workload, tasks, light, concurrency=n))
-    name = f"{kind}-{IO50.key}-p1"
-    found.append(Scenario(name, kind, IO50, sizes.reference_io50, 0, concurrency=1))
+    for workload, tasks, n in runs:
+        light = sizes.light if n == sizes.taskmasters[0] and workload != IO50 else 0
+        name = f"{kind}-{workload.key}-p{n}"
+        found.append(Scenario(name, kind, workload, tasks, light, concurrency=n))
     return found
 
 

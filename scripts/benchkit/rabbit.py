@@ -27,7 +27,6 @@ SERVICES_DIR = Path(os.environ.get("PHORGE_BRIDGE_SERVICES_DIR", "/tmp/phorge-br
 class Broker:
     url: str
     vhost: str | None  # None: the default vhost, shared with others
-    started_here: bool
 
 
 def rabbitmq_env() -> dict[str, str]:
@@ -93,7 +92,7 @@ def broker(repo: Path, log: Callable[[str], None]) -> Iterator[Broker]:
         log("rabbitmqctl cannot reach the node: using the default vhost, queues of our own")
         vhost = None
     try:
-        yield Broker(f"amqp://guest:guest@{HOST}:{PORT}/{vhost or '/'}", vhost, started)
+        yield Broker(f"amqp://guest:guest@{HOST}:{PORT}/{vhost or '/'}", vhost)
     finally:
         if vhost:
             _ctl("delete_vhost", vhost)
@@ -124,12 +123,3 @@ def rabbitmq_pid() -> int | None:
         return int((SERVICES_DIR / "rabbitmq" / "rabbitmq.pid").read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def rabbitmq_version() -> str:
-    done = subprocess.run(
-        ["dpkg-query", "-W", "-f", "${Version}", "rabbitmq-server"],
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout.strip() or "unknown"

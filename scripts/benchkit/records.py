@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -37,10 +36,6 @@ class Counters:
 
     def as_tuple(self) -> tuple[int, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
-
-    @classmethod
-    def from_tuple(cls, values: Iterable[int]) -> Counters:
-        return cls(*values)
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
@@ -164,7 +159,7 @@ def read_records(directory: Path) -> list[Record]:
                     start=float(start),
                     end=float(end),
                     cpu=float(cpu),
-                    counters=Counters.from_tuple(int(c) for c in counts),
+                    counters=Counters(*(int(c) for c in counts)),
                 )
             )
     return records

@@ -12,14 +12,14 @@ from benchkit.plan import Scenario
 from benchkit.runner import IO50, NOOP, SLEEP10, Latency, Percentiles, Throughput, Workload
 
 HOW_TO_READ = """\
-**How to read this.** Every consumer drains the same Phorge queue (`PhabricatorTestWorker`
-tasks) on the same private, *durable* MariaDB (an fsync per commit) and, for Celery, the
-same RabbitMQ. A run enqueues all its tasks in ONE transaction; the clock starts when
-that COMMIT returns and stops when the last task is archived (from the consumer's own
-record of it; for phd, when the bench saw it, polling every 10 ms). *tasks/s* is what
-draining that backlog took, the poll interval or idle sleep before the first start
-included; *steady tasks/s* leaves that wait out. The *reference taskmaster* is Phorge's
-PHP taskmaster loop redone statement for statement in Python
+**How to read this.** Every consumer drains the same Phorge queue
+(`PhabricatorTestWorker` tasks) on the same private, *durable* MariaDB (an fsync per
+commit) and, for Celery, the same RabbitMQ. A run enqueues all its tasks in ONE
+transaction; the clock starts when that COMMIT returns and stops when the last task is
+archived (from the consumer's own record of it; for phd, when the bench saw it, polling
+every 10 ms). *tasks/s* is what draining that backlog took, the poll interval or idle
+sleep before the first start included. The *reference taskmaster* is Phorge's PHP
+taskmaster loop redone statement for statement in Python
 (`scripts/benchkit/taskmaster.py`; its SQL matches `phd`'s line for line): 1 process is
 what one PHP daemon does. Ratios compare with it (same workload, 1 process), with `phd`
 when run, and with the lower of two ceilings the bridge cannot pass (plain Celery with
@@ -31,17 +31,16 @@ archived task over the throughput run: what the consumer's processes sent (count
 the MySQL driver: statements, commits, round trips; a round trip may carry several
 statements), MariaDB's own counters (everything but the bench's polling), and CPU ms:
 the worker processes (the bridge's poll runs inside them; its share is shown apart),
-beat, MariaDB, and the whole RabbitMQ node (shared: non-zero for the taskmaster means
-someone else used it). *machine busy* is the share of all cores in use during the run,
-and in parentheses the share no measured process explains (other load on the machine:
-if it is large, the figures are disturbed). Failed scenarios are listed at the end with
-the reason; they do not stop the others."""
+MariaDB, and the whole RabbitMQ node (shared: non-zero for the taskmaster means someone
+else used it). *machine busy* is the share of all cores in use during the run, and in
+parentheses the share no measured process explains (other load on the machine: if it is
+large, the figures are disturbed). Failed scenarios are listed at the end with the
+reason; they do not stop the others."""
 
 
 THROUGHPUT_NOTE = (
     "*seconds*: enqueue COMMIT to last archive; *first start*: enqueue COMMIT to the first "
-    "task's start (the poll interval or idle sleep); *steady tasks/s*: tasks / (seconds - "
-    "first start). Ratios: tasks/s, and steady tasks/s in parentheses."
+    "task's start (the poll interval or idle sleep). Ratios are of tasks/s."
 )
 
 
@@ -93,16 +92,6 @@ def ratio(value: float | None, base: float | None) -> str:
 
 def ms(value: float | None, digits: int = 1) -> str:
     return number(None if value is None else value * 1000, digits)
-
-
-def both_ratios(r: Result, base: Result | None) -> str:
-    """Ratio of tasks/s, then (in parentheses) of steady tasks/s."""
-    if base is None or r.throughput is None or base.throughput is None:
-        return "n/a"
-    if r.rate is None or base.rate is None:
-        return "n/a"
-    steady = r.throughput.steady_rate / base.throughput.steady_rate
-    return f"{ratio(r.rate, base.rate)} ({steady:.2f}x)"
 
 
 def busy(t: Throughput | CeilingResult | None) -> str:
@@ -203,7 +192,6 @@ class Report:
         rows = []
         for r in results:
             t = r.throughput
-            ok = t is not None and not t.problems
             rows.append(
                 [
                     label(r.scenario),
@@ -211,13 +199,12 @@ class Report:
                     number(t.seconds, 2) if t else "failed",
                     number(t.first_start, 2) if t else "-",
                     f"**{number(r.rate)}**",
-                    number(t.steady_rate) if ok and t else "n/a",
-                    *(both_ratios(r, base) for base in bases),
+                    *(ratio(r.rate, base.rate if base else None) for base in bases),
                     ratio(r.rate, ceiling),
                     busy(t),
                 ]
             )
-        headers = ["consumer", "tasks", "seconds", "first start (s)", "tasks/s", "steady tasks/s"]
+        headers = ["consumer", "tasks", "seconds", "first start (s)", "tasks/s"]
         headers += ["vs taskmaster x1", "vs phd x1", "vs lower ceiling", "machine busy (others)"]
         return THROUGHPUT_NOTE + "\n\n" + table(headers, rows)
 
@@ -282,8 +269,7 @@ class Report:
             return None
         headers = [
             "consumer", "statements", "commits", "round trips", "Questions", "Com_commit",
-            "Com_rollback", "Handler_commit", "log writes", "worker CPU", "(poll)",
-            "beat CPU", "MariaDB CPU", "RabbitMQ CPU",
+            "log writes", "worker CPU", "(poll)", "MariaDB CPU", "RabbitMQ CPU",
         ]  # fmt: skip
         note = (
             "Client-side counts (statements, commits, round trips) come from the consumer's "
@@ -328,13 +314,10 @@ def cost_row(r: Result) -> list[str]:
         per(client.round_trips if client else None),
         per(t.server["Questions"]),
         per(t.server["Com_commit"]),
-        per(t.server["Com_rollback"]),
-        per(t.server["Handler_commit"]),
         per(t.server["Innodb_log_writes"]),
         # Two decimals: the speed target is under 1 ms of worker CPU a task.
         ms(t.cpu.get("workers", 0.0) / n, 2),
         ms(t.poller_cpu / n, 2) if t.poller_cpu is not None else "-",
-        ms(t.cpu["beat"] / n, 2) if "beat" in t.cpu else "-",
         ms(t.db_cpu / n, 2),
         ms(t.broker_cpu / n, 2) if t.broker_cpu is not None else "n/a",
     ]

@@ -31,6 +31,7 @@ POLL_WITH_RECORDS = 0.05  # the records give the exact end; the poll only detect
 POLL_NO_RECORDS = 0.01
 POLL_LIGHT = 0.005
 RECORDS_TIMEOUT = 30.0  # for the last records to reach disk after the archive is complete
+STALL_TIMEOUT = 30.0  # a run fails when nothing is archived for this long
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,8 @@ class Percentiles:
 
 @dataclass
 class Latency:
-    """Seconds from enqueue (commit) to start and to archive, over ``samples`` tasks."""
+    """Seconds from enqueue (commit) to start and to archive."""
 
-    samples: int
     to_start: Percentiles | None  # None: the consumer records no start (phd)
     to_archive: Percentiles | None
 
@@ -100,25 +100,12 @@ class Throughput:
         """Tasks per second from the enqueue COMMIT: what draining a backlog takes."""
         return self.tasks / self.seconds if self.seconds > 0 else float("nan")
 
-    @property
-    def steady_rate(self) -> float:
-        """Tasks per second once the first task started: without the poll/idle wait."""
-        busy = self.seconds - self.first_start
-        return self.tasks / busy if busy > 0 else float("nan")
-
 
 class Runner:
     """Drives runs against one database server on the bench's own connection."""
 
-    def __init__(
-        self,
-        conn: MySQLdb.Connection,
-        db_pid: int,
-        stall_timeout: float,
-        log: Callable[[str], None],
-    ) -> None:
-        self.conn, self.db_pid = conn, db_pid
-        self.stall_timeout, self.log = stall_timeout, log
+    def __init__(self, conn: MySQLdb.Connection, db_pid: int, log: Callable[[str], None]) -> None:
+        self.conn, self.db_pid, self.log = conn, db_pid, log
         self.offset = phorgedb.calibrate(conn)
 
     # -- waiting ------------------------------------------------------------------------
@@ -126,7 +113,7 @@ class Runner:
     def wait_archived(self, consumer: Consumer, batch: Batch, interval: float) -> Seen:
         """Poll until the active table is empty and the batch is archived.
 
-        Fails if the consumer dies or nothing is archived for ``stall_timeout`` seconds.
+        Fails if the consumer dies or nothing is archived for ``STALL_TIMEOUT`` seconds.
         """
         last_progress, last_archived, first = time.monotonic(), -1, None
         while True:
@@ -138,9 +125,9 @@ class Runner:
                 return Seen(first or done, done)
             if now.archived != last_archived:
                 last_progress, last_archived = time.monotonic(), now.archived
-            elif time.monotonic() - last_progress > self.stall_timeout:
+            elif time.monotonic() - last_progress > STALL_TIMEOUT:
                 raise procs.BenchError(
-                    f"{consumer.label}: no progress for {self.stall_timeout:.0f} s ({now.archived}"
+                    f"{consumer.label}: no progress for {STALL_TIMEOUT:.0f} s ({now.archived}"
                     f" of {batch.size} archived, {now.active} rows active, {now.leased} leased)"
                 )
             consumer.check()
@@ -194,7 +181,7 @@ class Runner:
             record = self._execution(self.batch_records(consumer, batch), consumer, batch.first)
             to_start.append(record.start - batch.committed)
             to_archive.append(record.end - batch.committed)
-        return Latency(samples, Percentiles.of(to_start), Percentiles.of(to_archive))
+        return Latency(Percentiles.of(to_start), Percentiles.of(to_archive))
 
     @staticmethod
     def _execution(records: list[Record], consumer: Consumer, task_id: int) -> Record:
@@ -232,7 +219,6 @@ class Runner:
         problems = phorgedb.check_archived(self.conn, batch) + duplicates(ours)
         by_id = {r.task_id: r for r in ours}
         latency = Latency(
-            count,
             Percentiles.of([r.start - batch.committed for r in by_id.values()]),
             Percentiles.of([r.end - batch.committed for r in by_id.values()]),
         )

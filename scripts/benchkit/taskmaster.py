@@ -22,15 +22,11 @@ It mirrors, as of Phorge 07c1a51310 (``src/infrastructure/daemon/workers/``):
   leaseExpires > UNIX_TIMESTAMP()`` with the last phase's ORDER BY and the LIMIT. The
   owner is ``getLeaseOwnershipName()``: ``pid:time:host:sequence``, host cut to 32 bytes.
 - ``storage/PhabricatorWorkerActiveTask.php`` ``executeTask()``: ``checkLease()`` from
-  the server time read at lease plus local elapsed time (no query), the maximum retry
-  count, the required lease (an UPDATE of the whole row, as ``LiskDAO::update``, only
-  when the worker asks), the run timed in microseconds, then ``archiveTask()``, i.e.
-  ``PhabricatorWorkerArchiveTask::save()``: ``START TRANSACTION``, ``DELETE FROM
-  worker_activetask WHERE id = %d``, ``INSERT INTO worker_archivetask (...)`` with
-  ``dateModified = archivedEpoch = time()``, ``COMMIT``. A temporary failure updates the
-  whole row (failureCount + 1, failureTime, leaseExpires = server time + 300).
-- ``__tests__/PhabricatorTestWorker.php``: ``usleep(duration * 1000000)``; ``doWork``
-  ``fail-temporary``/``fail-permanent``; the three policy overrides from the data.
+  the server time read at lease plus local elapsed time (no query), the run timed in
+  microseconds, then ``archiveTask()``, i.e. ``PhabricatorWorkerArchiveTask::save()``:
+  ``START TRANSACTION``, ``DELETE FROM worker_activetask WHERE id = %d``, ``INSERT INTO
+  worker_archivetask (...)`` with ``dateModified = archivedEpoch = time()``, ``COMMIT``.
+- ``__tests__/PhabricatorTestWorker.php``: ``usleep(duration * 1000000)``.
 
 One connection, autocommit on (as PHP's mysqli), kept for the whole run. Statements are
 sent as text with client-side quoting, as ``qsprintf`` does.
@@ -40,8 +36,10 @@ What differs, deliberately: there is no overseer (no heartbeat lines on stdout, 
 per task is Python's, not PHP's: compare round trips and commits, not CPU), and it
 records, per task, when it started and archived it (``records.RecordWriter``), with
 the request counts the bench's ``hook`` keeps when loaded (it is, under the bench).
-Yields are not implemented (the test worker never yields). SIGTERM ends it at once;
-every record is already on disk.
+Only the success path is mirrored, the one the bench's tasks (a no-op or a sleep) take:
+not the test worker's failures (``doWork``) and policy overrides (retry count, required
+lease, retry wait), the retry's UPDATE, or yields; a task that fails ends the process,
+which the bench reports. SIGTERM ends it at once; every record is already on disk.
 """
 
 from __future__ import annotations
@@ -62,9 +60,8 @@ from benchkit import hook
 from benchkit.records import RecordWriter
 
 DEFAULT_LEASE = 2 * 60 * 60  # PhabricatorWorkerLeaseQuery::getDefaultLeaseDuration
-DEFAULT_RETRY_WAIT = 5 * 60  # PhabricatorWorkerLeaseQuery::getDefaultWaitBeforeRetry
 IDLE_SLEEP = 1  # PhabricatorTaskmasterDaemon: "When there's no work, sleep for one second."
-RESULT_SUCCESS, RESULT_FAILURE = 0, 1
+RESULT_SUCCESS = 0
 
 PHASES = {
     # phase: (WHERE of the SELECT, ORDER BY)  -- buildCustomWhereClause, buildOrderClause
@@ -76,14 +73,6 @@ ARCHIVE_COLUMNS = (
     "objectPHID", "containerPHID", "result", "duration", "archivedEpoch", "dateCreated",
     "dateModified",
 )  # fmt: skip
-ACTIVE_COLUMNS = (
-    "taskClass", "leaseOwner", "leaseExpires", "failureCount", "dataID", "failureTime",
-    "priority", "objectPHID", "containerPHID", "dateCreated", "dateModified",
-)  # fmt: skip
-
-
-class PermanentFailure(Exception):
-    """PhabricatorWorkerPermanentFailureException."""
 
 
 @dataclass
@@ -176,20 +165,11 @@ def check_lease(task: Task) -> None:
         raise RuntimeError(f"Trying to update Task {task.id} after lease expiration!")
 
 
-def option(task: Task, key: str) -> Any:
-    return task.data.get(key) if isinstance(task.data, dict) else None
-
-
 def do_work(task: Task) -> None:
-    """``PhabricatorTestWorker::doWork()``."""
-    duration = option(task, "duration")
+    """``PhabricatorTestWorker::doWork()``: sleep for the task's ``duration``, if any."""
+    duration = task.data.get("duration") if isinstance(task.data, dict) else None
     if duration:
         time.sleep(float(duration))
-    match option(task, "doWork"):
-        case "fail-temporary":
-            raise RuntimeError("Temporary failure!")
-        case "fail-permanent":
-            raise PermanentFailure("Permanent failure!")
 
 
 def archive(db: Connection, task: Task, result: int, duration: int) -> None:
@@ -213,38 +193,13 @@ def archive(db: Connection, task: Task, result: int, duration: int) -> None:
     db.query("COMMIT")
 
 
-def save_with_lease(db: Connection, task: Task, seconds: int) -> None:
-    """``setLeaseDuration()``: expiry = server time at lease + seconds, then ``update()``."""
-    check_lease(task)
-    task.row["leaseExpires"] = task.server_time + seconds
-    task.row["dateModified"] = int(time.time())
-    assignments = ", ".join(f"`{c}` = %s" for c in ACTIVE_COLUMNS)
-    db.query(
-        f"UPDATE `worker_activetask` SET {assignments} WHERE `id` = %s",
-        (*(task.row[c] for c in ACTIVE_COLUMNS), task.id),
-    )
-
-
 def execute_task(db: Connection, task: Task) -> None:
-    """``PhabricatorWorkerActiveTask::executeTask()`` for PhabricatorTestWorker."""
+    """``PhabricatorWorkerActiveTask::executeTask()`` for PhabricatorTestWorker: its
+    success path."""
     check_lease(task)
-    try:
-        limit = option(task, "getMaximumRetryCount")
-        if limit is not None and int(task.row["failureCount"]) > limit:
-            raise PermanentFailure(f"Task {task.id} has exceeded the maximum number of failures")
-        lease = option(task, "getRequiredLeaseTime")
-        if lease is not None:
-            save_with_lease(db, task, int(lease))
-        started = time.time()
-        do_work(task)
-        archive(db, task, RESULT_SUCCESS, int((time.time() - started) * 1_000_000))
-    except PermanentFailure:
-        archive(db, task, RESULT_FAILURE, 0)
-    except Exception:
-        task.row["failureCount"] = int(task.row["failureCount"]) + 1
-        task.row["failureTime"] = int(time.time())
-        wait = option(task, "getWaitBeforeRetry")
-        save_with_lease(db, task, DEFAULT_RETRY_WAIT if wait is None else int(wait))
+    started = time.time()
+    do_work(task)
+    archive(db, task, RESULT_SUCCESS, int((time.time() - started) * 1_000_000))
 
 
 def run(db: Connection, records: RecordWriter) -> None:

@@ -1,6 +1,6 @@
 """A native handler that records every run, published by the acceptance fixtures.
 
-``tests/acceptance/conftest.py`` copies this module into a directory of its own with a
+``tests/helpers/bridge_harness.py`` copies this module into a directory of its own with a
 ``.dist-info`` whose ``entry_points.txt`` registers it in the ``phorge_bridge.handlers``
 group, and puts that directory on the workers' ``PYTHONPATH``: the product discovers it
 exactly as it would a third-party package's handlers.
@@ -55,6 +55,6 @@ class RecordingTestWorker(PhabricatorTestWorker):
                 f"failing on purpose ({task.failure_count + 1} of {data['failTimes']})"
             )
         if "yieldFirst" in data and runs_so_far(task.id) == 1:
-            raise Yield(data["yieldFirst"])
+            raise Yield(delay=data["yieldFirst"])
         super().run(task)
         record("end", task)

@@ -257,7 +257,7 @@ class Sampler:
 
 @dataclass
 class Scenario:
-    bridge: Any  # conftest.Bridge
+    bridge: Any  # bridge_harness.Bridge
     fake: FakePhorge
     ids: dict[str, int] = field(default_factory=dict)
     counter_before: int = 0
@@ -329,9 +329,9 @@ def proxy(request, make_module_bridge, module_database_url) -> Iterator[Scenario
         s = Scenario(bridge, fake)
         fake.delay_until = s.now() + 3600
 
-        s.add("echo-inline", "ProxyEcho", priority=1200, objectPHID="PHID-TASK-echo")
+        s.add("echo-inline", "ProxyEcho", priority=1200, object_phid="PHID-TASK-echo")
         bridge.corrupt_data(s.ids["echo-inline"], RAW_SMALL)  # stored as PHP would store it
-        s.add("echo-stored", "ProxyEcho", containerPHID="PHID-REPO-echo")
+        s.add("echo-stored", "ProxyEcho", container_phid="PHID-REPO-echo")
         bridge.corrupt_data(s.ids["echo-stored"], RAW_LARGE)
         for n in range(3):
             s.add(f"success-{n}", "ProxySuccess", {"n": n})
@@ -345,10 +345,10 @@ def proxy(request, make_module_bridge, module_database_url) -> Iterator[Scenario
         # Each outage trips the worker's circuit breaker, which holds proxied work back for
         # a moment: they come after the scenarios whose timing is measured.
         outages_from = s.now() + OUTAGES_AFTER
-        s.add("html-502", "ProxyHtml502", {}, delayUntil=outages_from)
-        s.add("html-200", "ProxyHtml200", {}, delayUntil=outages_from)
+        s.add("html-502", "ProxyHtml502", {}, delay_until=outages_from)
+        s.add("html-200", "ProxyHtml200", {}, delay_until=outages_from)
         s.add("slow", "ProxySlow", {})
-        s.add("auth", "ProxyAuth", {}, delayUntil=outages_from)
+        s.add("auth", "ProxyAuth", {}, delay_until=outages_from)
         for n in range(2):
             s.add(f"native-{n}", "PhabricatorTestWorker", {})
         s.add("native-plugin", "RecordedA", {})

@@ -35,7 +35,7 @@ SETTINGS = {
 
 @dataclass
 class Scenario:
-    bridge: Any  # conftest.Bridge
+    bridge: Any  # bridge_harness.Bridge
     ids: dict[str, int] = field(default_factory=dict)
     ordinary: list[int] = field(default_factory=list)
 
@@ -148,7 +148,7 @@ def test_a_yield_comes_back_after_its_duration(scenario):
     [row] = scenario.bridge.wait_archived([task_id], timeout=30).values()
     assert (row.result, row.failureCount) == (RESULT_SUCCESS, 0)
     first, second = scenario.starts("yield")
-    # Yield(YIELD_SECONDS) on the first run, raised to Phorge's minimum of 5 s.
+    # Yield(delay=YIELD_SECONDS) on the first run, raised to Phorge's minimum of 5 s.
     assert second["time"] >= first["time"] + 5
     assert second["time"] - first["time"] <= 5 + LATENESS
 

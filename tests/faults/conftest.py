@@ -28,8 +28,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import bridge_harness as harness
 import pytest
 import sqlalchemy as sa
+from mariadb_launcher import MariaDB
 from private_brokers import (
     PrivateBroker,
     PrivateRabbitMQ,
@@ -37,15 +39,12 @@ from private_brokers import (
     _gone,
     _poll,
     _port_open,
-    load_acceptance_harness,
 )
 
 from bridge.queue.model import RESULT_SUCCESS
 from bridge.queue.schema import metadata
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
-
-harness = load_acceptance_harness()
 
 HERE = Path(__file__).parent
 # First choices; a concurrent fault run (another checkout) holding one moves us up.
@@ -74,45 +73,20 @@ def free_port(first: int, *, offsets: tuple[int, ...] = (0,)) -> int:
 
 
 class PrivateMariaDB:
-    """A ``mariadbd`` of the suite's own; it may be restarted, killed and frozen."""
+    """A ``mariadbd`` of the suite's own; it may be restarted, killed and frozen.
+
+    Started by the project's one launcher (``scripts/mariadb_launcher.py``), with the
+    test servers' settings: fast commits, user bridge/bridge (who may create accounts).
+    """
 
     def __init__(self, directory: Path, port: int) -> None:
-        self.directory, self.port = directory, port
-        self.url = f"mysql+mysqldb://bridge:bridge@127.0.0.1:{port}"
-        self.socket = directory / "mysqld.sock"
+        self.server = MariaDB(directory, port, grant_option=True)
+        self.port, self.url = port, self.server.url
         self.popen: subprocess.Popen | None = None
-        directory.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            ["mariadb-install-db", "--no-defaults", "--user=root",
-             f"--datadir={directory / 'data'}", "--auth-root-authentication-method=normal",
-             "--skip-test-db"],
-            check=True, capture_output=True, timeout=120,
-        )  # fmt: skip
+        self.server.install()
 
     def start(self) -> None:
-        d = self.directory
-        self.popen = subprocess.Popen(
-            ["mariadbd", "--no-defaults", "--user=root", f"--datadir={d / 'data'}",
-             f"--socket={self.socket}", f"--port={self.port}", "--bind-address=127.0.0.1",
-             "--skip-name-resolve", f"--pid-file={d / 'mysqld.pid'}",
-             f"--log-error={d / 'mysqld.log'}", "--character-set-server=utf8mb4",
-             "--collation-server=utf8mb4_bin", "--sql-mode=STRICT_ALL_TABLES",
-             "--innodb-flush-log-at-trx-commit=0", "--skip-innodb-doublewrite"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
-        ping = ["mariadb-admin", "--no-defaults", f"--socket={self.socket}", "-uroot", "ping"]
-        _poll(
-            lambda: subprocess.run(ping, capture_output=True, check=False).returncode == 0,
-            60,
-            "private MariaDB to answer",
-        )
-        subprocess.run(
-            ["mariadb", "--no-defaults", f"--socket={self.socket}", "-uroot", "-e",
-             "CREATE USER IF NOT EXISTS 'bridge'@'127.0.0.1' IDENTIFIED BY 'bridge';"
-             "GRANT ALL ON *.* TO 'bridge'@'127.0.0.1';"],
-            check=True, capture_output=True, timeout=30,
-        )  # fmt: skip
+        self.popen = self.server.start()
 
     def _end(self, sig: int) -> None:
         if self.popen is None:

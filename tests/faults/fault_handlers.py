@@ -1,7 +1,7 @@
 """The fault suite's handler, installed in the workers by ``tests/faults/conftest.py``.
 
 ``FaultTask`` appends one JSON line per run to ``$PHORGE_BRIDGE_TEST_RECORD_FILE`` before
-it does anything else, naming the lease it runs under (id, owner from the run's trace,
+it does anything else, naming the lease it runs under (id, the lease owner the handler is given,
 failure count), so a run survives in the record even when its
 worker is killed a moment later. Data keys: ``duration`` (seconds to sleep) and
 ``failTimes`` (fail temporarily while the failure count is below it).
@@ -13,15 +13,17 @@ import time
 
 import run_record
 
-from bridge.handlers.api import Handler, TaskContext
-from bridge.runtime.tracing import current_trace
+from bridge import Handler, TaskContext
 
 
 def record(task: TaskContext) -> None:
-    trace = current_trace()
-    assert trace is not None and trace.task_id == task.id, "a run outside its trace"
     run_record.append(
-        {"event": "start", "id": task.id, "owner": trace.owner, "failureCount": task.failure_count}
+        {
+            "event": "start",
+            "id": task.id,
+            "owner": task.lease_owner,
+            "failureCount": task.failure_count,
+        }
     )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 import pytest
+from phorge_checkout import NotACheckout, check_checkout
 
 PHORGE_ROOT = os.environ.get("PHORGE_ROOT")
 
@@ -43,21 +43,11 @@ require getenv('PHORGE_WEBROOT').'/index.php';
 
 def phorge_root() -> Path:
     """PHORGE_ROOT, checked to be a Phorge checkout with arcanist beside it."""
-    root = Path(PHORGE_ROOT or "").resolve()
-    missing = [
-        str(path)
-        for path in (
-            root / "bin" / "storage",
-            root / "src" / "__phutil_library_map__.php",
-            root.parent / "arcanist" / "src" / "__phutil_library_map__.php",
-        )
-        if not path.exists()
-    ]
-    if missing:
-        pytest.fail(f"PHORGE_ROOT={root} is not a Phorge checkout: missing {', '.join(missing)}")
-    if shutil.which("php") is None:
-        pytest.fail("php is not installed (scripts/services.sh install installs php-cli)")
-    return root
+    try:
+        return check_checkout(PHORGE_ROOT or "")
+    except NotACheckout as exc:
+        problem = str(exc)
+    pytest.fail(problem)
 
 
 def run(

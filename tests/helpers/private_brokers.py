@@ -1,4 +1,4 @@
-"""Private Redis and RabbitMQ servers that a test may restart, and the acceptance harness.
+"""Private Redis and RabbitMQ servers that a test may restart.
 
 The shared brokers of ``scripts/services.sh`` serve every test run on the machine and
 must never be restarted; a fault test that restarts its broker starts one of these on
@@ -8,32 +8,17 @@ ports of its own, with all state in a temporary directory, bound to 127.0.0.1.
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 START_TIMEOUT = 60.0  # RabbitMQ alone takes about 6 s on an idle machine
-
-
-def load_acceptance_harness() -> ModuleType:
-    """``tests/acceptance/conftest.py`` as a module, for its ``Bridge`` and ``wait_until``."""
-    path = Path(__file__).parents[1] / "acceptance" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("acceptance_harness", path)
-    assert spec and spec.loader
-    if spec.name not in sys.modules:
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules[spec.name]
 
 
 def _poll(condition: Callable[[], bool], timeout: float, what: str) -> None:

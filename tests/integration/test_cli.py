@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 
+import outcomes
 import pytest
 from click.testing import CliRunner
 
 from bridge.cli.main import main
 from bridge.queue import PhorgeQueue
-from bridge.queue.model import RESULT_CANCELLED, TaskFilter, new_owner
+from bridge.queue.model import RESULT_CANCELLED, TaskFilter
 
 
 @pytest.fixture
@@ -74,12 +75,11 @@ def test_actions_refuse_to_run_without_a_selector(cli):
 def test_free_delay_priority_and_retry_follow_bin_worker(cli):
     invoke, queue = cli
     task_id = queue.enqueue("PhabricatorTestWorker", {})
-    owner = new_owner()
-    queue.lease(1, owner, 60)
+    queue.lease(1, 60)
     assert "LEASED" in invoke("delay", "--id", str(task_id), "--until", "2000000000")
     assert "1 task(s) freed" in invoke("free", "--id", str(task_id))
     assert "1 task(s) delayed" in invoke("delay", "--id", str(task_id), "--until", "2000000000")
-    assert queue.get(task_id).leaseExpires == 2000000000
+    assert queue.get(task_id).lease_expires == 2000000000
     assert "1 task(s) reprioritized" in invoke("priority", "--id", str(task_id), "--priority", "7")
     assert "UNCHANGED" in invoke("priority", "--id", str(task_id), "--priority", "7")
     assert "ACTIVE" in invoke("retry", "--id", str(task_id))
@@ -132,7 +132,7 @@ def test_execute_runs_tasks_now_in_the_order_given_and_writes_their_outcomes(cli
         f"PhabricatorTestWorker#{ok}: success",
         f"PhabricatorTestWorker#{broken}: permanent-failure: Permanent failure!",
     ]
-    states = {t.id: (t.state.value, t.result, t.failureCount) for t in queue.list()}
+    states = {t.id: (t.state.value, t.result, t.failure_count) for t in queue.list()}
     assert states == {
         ok: ("archived", 0, 0),
         flaky: ("waiting-to-retry", None, 1),
@@ -140,7 +140,7 @@ def test_execute_runs_tasks_now_in_the_order_given_and_writes_their_outcomes(cli
     }
     # Waiting to retry does not stop an operator: it runs again at once.
     assert "failure: Temporary failure!" in invoke("execute", "--id", str(flaky), code=1)
-    assert queue.get(flaky).failureCount == 2
+    assert queue.get(flaky).failure_count == 2
 
 
 def test_execute_refuses_archived_tasks_unless_retried_and_successes_unless_repeated(cli):
@@ -159,18 +159,17 @@ def test_execute_runs_delayed_and_yielded_tasks_but_not_one_a_worker_holds(cli):
     delayed = queue.enqueue("PhabricatorTestWorker", {}, delay_until=queue.server_time() + 3600)
     yielded = queue.enqueue("PhabricatorTestWorker", {})
     held = queue.enqueue("PhabricatorTestWorker", {})
-    owner = new_owner()
-    queue.lease(1, owner, ids=[yielded])
-    assert queue.yield_(yielded, owner, 3600)
-    worker = new_owner()
-    queue.lease(1, worker, ids=[held])
+    [leased] = queue.lease(1, ids=[yielded])
+    assert outcomes.yield_(queue, yielded, leased.lease_owner, 3600)
+    [worker_lease] = queue.lease(1, ids=[held])
+    worker = worker_lease.lease_owner
     out = invoke("execute", "--class", "PhabricatorTestWorker", code=1)
     assert outcome_lines(out)[:2] == [
         f"PhabricatorTestWorker#{delayed}: success",
         f"PhabricatorTestWorker#{yielded}: success",
     ]
     assert f"PhabricatorTestWorker#{held}: LEASED: a worker holds its lease ({worker})" in out
-    assert queue.get(held).leaseOwner == worker
+    assert queue.get(held).lease_owner == worker
 
 
 def test_execute_names_an_id_that_matches_nothing(cli):

@@ -334,7 +334,7 @@ def test_real_feed_publication(phorge: ConduitPhorge, tokens: dict[str, str]) ->
         key = str(json.loads(feed["data"])["key"])
         env = phorge.php("env")
         hook_followups = [
-            f for f in feed_task.followups if f.taskClass == "FeedPublisherHTTPWorker"
+            f for f in feed_task.followups if f.task_class == "FeedPublisherHTTPWorker"
         ]
         assert [f.data for f in hook_followups] == [
             {"key": key, "uri": uri} for uri in env["hooks"]

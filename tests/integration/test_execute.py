@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import MySQLdb
 import pytest
@@ -20,11 +21,16 @@ from celery.exceptions import Retry
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, event, select, update
 
+from bridge import errors
+from bridge.celery import app
 from bridge.config import load_settings
+from bridge.engine.batch import run_task
+from bridge.engine.context import Runtime
+from bridge.engine.run import backoff
 from bridge.handlers.api import Handler, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
-from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue import OperatorActions, Outcome, PhorgeQueue, make_engine
 from bridge.queue import retry as retry_module
 from bridge.queue import statements as sql
 from bridge.queue.dialect import db_now
@@ -36,7 +42,6 @@ from bridge.queue.model import (
     YIELD_OWNER,
     NewTask,
     TaskFilter,
-    new_owner,
 )
 from bridge.queue.retry import DatabaseUnavailable
 from bridge.queue.schema import worker_activetask as active
@@ -44,8 +49,7 @@ from bridge.queue.schema import worker_archivetask as archive
 from bridge.queue.schema import worker_taskdata as taskdata
 from bridge.queue.session import LeaseSession
 from bridge.runtime import execute as execute_module
-from bridge.runtime.context import Runtime
-from bridge.runtime.execute import Outcome, backoff, run_task
+from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK
 
 pytestmark = pytest.mark.mariadb
 
@@ -115,8 +119,7 @@ def sleeps(monkeypatch) -> list[float]:
 def queue_and_lease(rt: Runtime, task_class: str, data=None, seconds: int = 300, **options):
     """Enqueue one task and lease it as a poll would; returns the leased Task."""
     task_id = rt.queue.enqueue(task_class, data, **options)
-    owner = new_owner("bridge")
-    [task] = rt.queue.lease(1, owner, seconds, classes=[task_class])
+    [task] = rt.queue.lease(1, seconds, classes=[task_class])
     assert task.id == task_id
     return task
 
@@ -216,13 +219,13 @@ def flaky_statement(
 def test_a_short_task_costs_one_commit_its_outcome(rt, inline):
     task = queue_and_lease(rt, TEST_WORKER, {"duration": 0})
     cost = SessionCost(rt)
-    outcome = run_task(rt, task.lease, task.rawData if inline else None).outcome
+    outcome = run_task(rt, task.lease, task.raw_data if inline else None).outcome
     assert outcome is Outcome.SUCCESS
     # The check, then START TRANSACTION, archive, delete, COMMIT (one round trip),
     # on the session's own connection: no pool checkout.
     assert cost.since() == {"commits": 1, "statements": 5, "checkouts": 0}
     [row] = archive_rows(rt, task.id)
-    assert (row.result, row.leaseOwner) == (RESULT_SUCCESS, task.leaseOwner)
+    assert (row.result, row.leaseOwner) == (RESULT_SUCCESS, task.lease_owner)
     assert active_row(rt, task.id) is None
 
 
@@ -237,10 +240,19 @@ def test_a_required_lease_beyond_the_dispatch_lease_is_claimed_before_running(rt
     assert cost.since()["commits"] == 2, "one claim, one outcome"
 
 
+def celery_execute() -> Any:
+    """``bridge.execute`` as the app registered it."""
+    return app.tasks[EXECUTE_TASK]
+
+
+def celery_execute_batch() -> Any:
+    return app.tasks[EXECUTE_BATCH]
+
+
 def test_the_celery_task_reports_its_outcome_by_label(rt, monkeypatch):
     task = queue_and_lease(rt, TEST_WORKER)
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
-    result = execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
+    result = celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
     assert result == f"{TEST_WORKER}#{task.id}: success"
 
 
@@ -249,20 +261,20 @@ def test_the_celery_task_raises_what_celery_records_as_its_state(rt, monkeypatch
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary", "getWaitBeforeRetry": 60})
     label = f"{TEST_WORKER}#{task.id}"
-    with pytest.raises(execute_module.TaskFailed) as failed:
-        execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
+    with pytest.raises(errors.TaskFailed) as failed:
+        celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
     assert str(failed.value) == f"{label}: failure: Temporary failure! (due again in 60 s)"
-    with pytest.raises(execute_module.LeaseLost) as lost:
-        execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
+    with pytest.raises(errors.LeaseLost) as lost:
+        celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
     assert str(lost.value).startswith(f"{label}: lease-lost: the lease was no longer held")
 
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "yield", "yieldUntil": time.time() + 60})
     with pytest.raises(Retry) as yielded:
-        execute_module.execute(*task.lease, task.rawData, TEST_WORKER)
-    assert isinstance(yielded.value.exc, execute_module.TaskYielded)
+        celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
+    assert isinstance(yielded.value.exc, errors.TaskYielded)
     assert str(yielded.value).startswith(f"{TEST_WORKER}#{task.id}: yield (due again in 6")
-    assert issubclass(execute_module.TaskYielded, execute_module.TaskNotDone)
-    assert execute_module.execute.throws == (execute_module.TaskNotDone,)
+    assert issubclass(errors.TaskYielded, errors.TaskNotDone)
+    assert celery_execute().throws == (errors.TaskNotDone,)
 
 
 # -- the fence: a lease that is no longer ours changes nothing -----------------------------
@@ -273,11 +285,11 @@ def test_a_message_for_a_lost_lease_changes_nothing(rt, probe, re_leased):
     task = queue_and_lease(rt, PROBE)
     set_active(rt, task.id, leaseExpires=db_now() - 1)
     if re_leased:
-        [again] = rt.queue.lease(1, new_owner("bridge"), 300, classes=[PROBE])
+        [again] = rt.queue.lease(1, 300, classes=[PROBE])
         assert again.id == task.id
     before = active_row(rt, task.id)
 
-    assert run_task(rt, task.lease, task.rawData).outcome is Outcome.LEASE_LOST
+    assert run_task(rt, task.lease, task.raw_data).outcome is Outcome.LEASE_LOST
     assert probe.runs == []
     assert active_row(rt, task.id) == before
     assert archive_rows(rt, task.id) == []
@@ -305,7 +317,7 @@ def test_a_temporary_failure_waits_as_declared_and_keeps_the_owner(rt):
     task = queue_and_lease(rt, TEST_WORKER, data)
     assert run_task(rt, task.lease).outcome is Outcome.FAILURE
     row = active_row(rt, task.id)
-    assert (row.failureCount, row.leaseOwner) == (1, task.leaseOwner)
+    assert (row.failureCount, row.leaseOwner) == (1, task.lease_owner)
     assert row.leaseExpires - row.failureTime == 42
 
 
@@ -342,13 +354,13 @@ def test_a_negative_wait_makes_the_task_due_at_once_as_in_phorge(rt):
     assert run_task(rt, task.lease).outcome is Outcome.FAILURE
     row = active_row(rt, task.id)
     assert row.leaseExpires - row.failureTime == -60
-    again = rt.queue.lease(1, new_owner(), ids=[task.id])
-    assert [(t.id, t.failureCount) for t in again] == [(task.id, 1)]
+    again = rt.queue.lease(1, ids=[task.id])
+    assert [(t.id, t.failure_count) for t in again] == [(task.id, 1)]
 
 
 def test_a_negative_yield_holds_the_task_phorges_minimum_5_seconds(rt, probe):
     def yield_(ctx: TaskContext) -> None:
-        raise Yield(-60)
+        raise Yield(delay=-60)
 
     probe.behaviour = yield_
     task = queue_and_lease(rt, PROBE)
@@ -419,7 +431,7 @@ def test_a_yield_hands_the_task_back_for_its_duration_without_a_failure(
     rt, probe, seconds, held_for
 ):
     def yield_(ctx: TaskContext) -> None:
-        raise Yield(seconds)
+        raise Yield(delay=seconds)
 
     probe.behaviour = yield_
     task = queue_and_lease(rt, PROBE)
@@ -476,11 +488,11 @@ def test_followups_are_queued_once_on_success_with_the_parents_priority(rt, prob
     assert rt.queue.list(TaskFilter(classes=[TEST_WORKER])) == [], "queued by a failed run"
 
     set_active(rt, task.id, leaseExpires=db_now() - 1)
-    [again] = rt.queue.lease(1, new_owner("bridge"), 300, classes=[PROBE])
+    [again] = rt.queue.lease(1, 300, classes=[PROBE])
     assert run_task(rt, again.lease).outcome is Outcome.SUCCESS
     followups = rt.queue.list(TaskFilter(classes=[TEST_WORKER]))
     assert sorted((t.data["n"], t.priority) for t in followups) == [(1, 1500), (2, 4000)]
-    assert all(t.id > task.id and t.leaseOwner is None for t in followups)
+    assert all(t.id > task.id and t.lease_owner is None for t in followups)
 
 
 def test_followups_of_a_default_priority_parent_get_the_default(rt):
@@ -541,7 +553,7 @@ SHORT_LEASE = 3  # the heartbeat beats every third of it: once a second
 
 def test_the_heartbeat_renews_the_lease_of_a_long_task(rt, probe):
     task = queue_and_lease(rt, PROBE, seconds=SHORT_LEASE)
-    first_expiry = task.leaseExpires
+    first_expiry = task.lease_expires
     expiries = []
 
     def run_long(ctx: TaskContext) -> None:
@@ -572,7 +584,7 @@ def test_a_renewal_that_finds_the_lease_lost_means_the_result_is_never_written(r
     assert run_task(rt, task.lease).outcome is Outcome.LEASE_LOST
     assert renewals("lost") == lost_before + 1
     row = active_row(rt, task.id)
-    assert (row.leaseOwner, row.failureCount) == (task.leaseOwner, 0)
+    assert (row.leaseOwner, row.failureCount) == (task.lease_owner, 0)
     assert archive_rows(rt, task.id) == []
 
 
@@ -626,7 +638,7 @@ def test_a_redelivered_dispatch_does_not_rerun_a_task_waiting_to_retry(rt, probe
 def test_a_non_utf8_data_row_fails_that_task_permanently(rt):
     task_id = rt.queue.enqueue(TEST_WORKER, {})
     corrupt_data(rt.queue, task_id)
-    [task] = rt.queue.lease(1, new_owner("bridge"), 300)
+    [task] = rt.queue.lease(1, 300)
     assert run_task(rt, task.lease).outcome is Outcome.PERMANENT_FAILURE
     assert archive_rows(rt, task_id)[0].result == RESULT_FAILURE
 
@@ -638,9 +650,9 @@ def lease_batch(rt: Runtime, task_class: str, count: int, data=None) -> tuple[st
     """Enqueue and lease ``count`` tasks under one owner, as one poll does; returns the
     owner and the ``bridge.execute_batch`` items."""
     rt.queue.enqueue_many([NewTask(task_class, data)] * count)
-    owner = new_owner("bridge")
-    tasks = rt.queue.lease(count, owner, 300, classes=[task_class])
-    return owner, [[t.id, t.failureCount, t.taskClass, t.rawData] for t in tasks]
+    tasks = rt.queue.lease(count, 300, classes=[task_class])
+    assert len(tasks) == count
+    return tasks[0].lease_owner, [[t.id, t.failure_count, t.task_class, t.raw_data] for t in tasks]
 
 
 @pytest.fixture
@@ -649,7 +661,7 @@ def batches(rt, monkeypatch) -> list[tuple[list, int]]:
     sent: list[tuple[list, int]] = []
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
 
-    def send(owner, rest, queue, size) -> int:
+    def send(_app, owner, rest, queue, size) -> int:
         sent.append((rest, size))
         return len(rest)
 
@@ -660,7 +672,7 @@ def batches(rt, monkeypatch) -> list[tuple[list, int]]:
 def test_a_batch_costs_one_round_trip_a_task_and_a_commit_each(rt, batches):
     owner, items = lease_batch(rt, TEST_WORKER, 8)
     cost = SessionCost(rt)
-    assert execute_module.execute_batch(owner, items) == "8 task(s): 8 success"
+    assert celery_execute_batch()(owner, items) == "8 task(s): 8 success"
     # The first check; then 7 round trips of the previous outcome (START TRANSACTION,
     # archive, delete, COMMIT) and the next check; then the last outcome alone.
     assert cost.since() == {"commits": 8, "statements": 1 + 7 * 5 + 4, "checkouts": 0}
@@ -675,11 +687,11 @@ def test_a_task_cancelled_while_its_batch_runs_does_not_run(rt, probe, batches):
 
     def cancel_the_second(ctx: TaskContext) -> None:
         if ctx.id == first:
-            rt.queue.cancel(TaskFilter(ids=[second]))
+            OperatorActions(rt.queue).cancel(TaskFilter(ids=[second]))
 
     probe.behaviour = cancel_the_second
-    with pytest.raises(execute_module.BatchNotDone) as not_done:
-        execute_module.execute_batch(owner, items)
+    with pytest.raises(errors.BatchNotDone) as not_done:
+        celery_execute_batch()(owner, items)
     assert [ctx.id for ctx in probe.runs] == [first, third]
     assert f"{PROBE}#{second}: lease-lost: the lease was no longer held" in str(not_done.value)
     assert str(not_done.value).startswith("3 task(s): 1 lease-lost, 2 success")
@@ -697,8 +709,8 @@ def test_each_outcome_in_a_batch_is_fenced_alone(rt, probe, batches):
             raise TemporaryFailure("down", delay=60)
 
     probe.behaviour = behave
-    with pytest.raises(execute_module.BatchNotDone) as not_done:
-        execute_module.execute_batch(owner, items)
+    with pytest.raises(errors.BatchNotDone) as not_done:
+        celery_execute_batch()(owner, items)
     assert f"{PROBE}#{first}: lease-lost: success not written" in str(not_done.value)
     assert f"{PROBE}#{second}: failure: down (due again in 60 s)" in str(not_done.value)
     assert active_row(rt, first).leaseOwner == "someone-else"
@@ -709,7 +721,7 @@ def test_each_outcome_in_a_batch_is_fenced_alone(rt, probe, batches):
 def test_a_batch_past_its_poll_interval_sends_the_rest_on_unrun(rt, probe, batches):
     owner, items = lease_batch(rt, PROBE, 5)
     probe.behaviour = lambda ctx: time.sleep(rt.settings.poll_interval * 1.5)
-    assert execute_module.execute_batch(owner, items) == "1 task(s): 1 success; 4 sent on"
+    assert celery_execute_batch()(owner, items) == "1 task(s): 1 success; 4 sent on"
     # One task took longer than the interval: the rest go one a message, still leased.
     [(rest, size)] = batches
     assert [item.id for item in rest] == [item[0] for item in items[1:]]
@@ -723,8 +735,8 @@ def test_a_refused_outcome_fails_alone_and_the_batch_goes_on(rt, batches, monkey
     refused = MySQLdb.DataError(1264, "Out of range value for column 'duration'")
     # Refused with the next task's check, then alone: the first outcome only.
     flaky_statement(monkeypatch, sql.ARCHIVE, failures=2, error=lambda: refused)
-    with caplog.at_level(logging.ERROR), pytest.raises(execute_module.BatchNotDone) as not_done:
-        execute_module.execute_batch(owner, items)
+    with caplog.at_level(logging.ERROR), pytest.raises(errors.BatchNotDone) as not_done:
+        celery_execute_batch()(owner, items)
     first, second, third = (item[0] for item in items)
     assert f"{TEST_WORKER}#{first}: unreported: success not written" in str(not_done.value)
     assert "Out of range value" in caplog.text
@@ -738,8 +750,8 @@ def test_a_database_outage_mid_batch_leaves_the_rest_to_their_leases(
 ):
     owner, items = lease_batch(rt, PROBE, 3, data={"n": 1})
     flaky_statement(monkeypatch, sql.HELD, failures=99)
-    with pytest.raises(execute_module.BatchNotDone) as not_done:
-        execute_module.execute_batch(owner, items)
+    with pytest.raises(errors.BatchNotDone) as not_done:
+        celery_execute_batch()(owner, items)
     assert str(not_done.value).startswith("3 task(s): 3 unreported")
     assert probe.runs == []
     assert {active_row(rt, item[0]).leaseOwner for item in items} == {owner}

@@ -26,13 +26,14 @@ from collections.abc import Callable, Iterator
 from itertools import pairwise
 from typing import Any
 
+import outcomes
 import pytest
 import sqlalchemy as sa
 from phorge_env import Phorge, phorge_root
 from phorge_php import HELPER, InteropPHP, php_value
 
-from bridge.queue import PhorgeQueue, make_engine
-from bridge.queue.model import NewTask, State, TaskFilter, new_owner
+from bridge.queue import OperatorActions, PhorgeQueue, make_engine
+from bridge.queue.model import NewTask, State, Task, TaskFilter
 from bridge.queue.schema import worker_activetask as active
 
 BIG_KEY = 7713765376809813936  # a FeedPublisherWorker chronological key: over 2**53
@@ -117,11 +118,19 @@ def created(queue: PhorgeQueue) -> Iterator[list[int]]:
     ids: list[int] = []
     yield ids
     if ids:
-        queue.cancel(TaskFilter(ids=ids, active=True))
+        OperatorActions(queue).cancel(TaskFilter(ids=ids, active=True))
 
 
-def owner() -> str:
-    return new_owner("interop")
+def lease(queue: PhorgeQueue, limit: int, classes: list[str]) -> list[Task]:
+    """A bridge lease of ``LEASE`` seconds, under an owner of its own (``interop:...``)."""
+    return queue.lease(limit, LEASE, owner_prefix="interop", classes=classes)
+
+
+def owner_of(tasks: list[Task]) -> str:
+    """The one owner a lease took all its rows under."""
+    (owner,) = {t.lease_owner for t in tasks}
+    assert owner is not None and owner.startswith("interop:")
+    return owner
 
 
 def db_now(queue: PhorgeQueue) -> int:
@@ -184,9 +193,9 @@ def new_task(task_class: str, data: Any, options: dict[str, Any]) -> NewTask:
         task_class,
         data,
         priority=options.get("priority") or 2000,
-        objectPHID=options.get("objectPHID"),
-        containerPHID=options.get("containerPHID"),
-        delayUntil=options.get("delayUntil"),
+        object_phid=options.get("objectPHID"),
+        container_phid=options.get("containerPHID"),
+        delay_until=options.get("delayUntil"),
     )
 
 
@@ -200,16 +209,16 @@ def test_php_loads_what_the_bridge_enqueued(
     before = db_now(queue)
     specs = [(name, new_task(task_class, data, options)) for name, data, options in cases()]
     delay = before + 3600
-    specs.append(("delayed", NewTask(task_class, {"later": True}, 3500, delayUntil=delay)))
+    specs.append(("delayed", NewTask(task_class, {"later": True}, 3500, delay_until=delay)))
     if via == "enqueue":
         ids = [
             queue.enqueue(
-                t.taskClass,
+                t.task_class,
                 t.data,
                 priority=t.priority,
-                delay_until=t.delayUntil,
-                object_phid=t.objectPHID,
-                container_phid=t.containerPHID,
+                delay_until=t.delay_until,
+                object_phid=t.object_phid,
+                container_phid=t.container_phid,
             )
             for _, t in specs
         ]
@@ -229,14 +238,14 @@ def test_php_loads_what_the_bridge_enqueued(
             "archived": False,
             "taskClass": task_class,
             "leaseOwner": None,
-            "leaseExpires": task.delayUntil,
+            "leaseExpires": task.delay_until,
             "failureCount": 0,
-            "dataID": ours.dataID,
+            "dataID": ours.data_id,
             "priority": task.priority,
-            "objectPHID": task.objectPHID,
-            "containerPHID": task.containerPHID,
-            "dateCreated": ours.dateCreated,
-            "dateModified": ours.dateModified,
+            "objectPHID": task.object_phid,
+            "containerPHID": task.container_phid,
+            "dateCreated": ours.date_created,
+            "dateModified": ours.date_modified,
             "failureTime": None,
             "data": php_value(task.data),
         }, name
@@ -272,7 +281,7 @@ def test_php_lease_query_decodes_bridge_data(
         assert same(got["data"], expected), (name, got["data"])
         assert re.fullmatch(r"\d+:\d+:[^:]+:\d+", got["leaseOwner"]), got["leaseOwner"]
         assert now + 7200 - 5 <= got["leaseExpires"] <= now + 7200 + 5
-    assert queue.lease(10, owner(), LEASE, classes=[task_class]) == []
+    assert lease(queue, 10, [task_class]) == []
 
 
 def test_bridge_reads_what_php_scheduled(
@@ -287,23 +296,23 @@ def test_bridge_reads_what_php_scheduled(
     for task_id, (name, data, options) in zip(ids, specs, strict=True):
         task = queue.get(task_id)
         assert task is not None, name
-        assert task.dataError is None, name
+        assert task.data_error is None, name
         # PHP writes an empty array as [], whatever it was meant to be.
         assert same(task.data, php_value(data)), (name, task.data)
-        assert (task.taskClass, task.leaseOwner, task.leaseExpires, task.failureCount) == (
+        assert (task.task_class, task.lease_owner, task.lease_expires, task.failure_count) == (
             task_class,
             None,
             None,
             0,
         )
         assert task.priority == (options.get("priority") or 2000)
-        assert (task.objectPHID, task.containerPHID) == (
+        assert (task.object_phid, task.container_phid) == (
             options.get("objectPHID"),
             options.get("containerPHID"),
         )
-        assert before - 2 <= task.dateCreated <= after + 2  # PHP's clock
+        assert before - 2 <= task.date_created <= after + 2  # PHP's clock
         assert task.state is State.QUEUED
-    leased = queue.lease(len(ids) + 5, owner(), LEASE, classes=[task_class])
+    leased = lease(queue, len(ids) + 5, [task_class])
     assert sorted(t.id for t in leased) == sorted(ids)
     by_id = {t.id: t for t in leased}
     for task_id, (name, data, _) in zip(ids, specs, strict=True):
@@ -321,9 +330,9 @@ def test_delays_are_the_documented_difference(
     assert php.load([bridge_id])[bridge_id]["leaseExpires"] == until
     php_row = queue.get(php_id)
     assert php_row is not None
-    assert (php_row.leaseExpires, php_row.state) == (until, State.DELAYED)
+    assert (php_row.lease_expires, php_row.state) == (until, State.DELAYED)
 
-    assert queue.lease(5, owner(), LEASE, classes=[task_class]) == []
+    assert lease(queue, 5, [task_class]) == []
     # Phorge's phase 1 is "leaseOwner IS NULL": it leases a delayed row at once.
     assert [t["id"] for t in php.lease(1, [bridge_id])] == [bridge_id]
 
@@ -424,19 +433,19 @@ def test_php_leases_bridge_rows_and_the_bridge_leases_php_rows(
     php_took = php.lease(3, bridge_rows)
     assert [t["id"] for t in php_took] == bridge_rows[:3]
     assert [t["data"] for t in php_took] == [{"n": 0}, {"n": 1}, {"n": 2}]
-    mine = owner()
-    got = queue.lease(10, mine, LEASE, classes=[first])
+    got = lease(queue, 10, [first])
     assert [t.id for t in got] == bridge_rows[3:]
+    mine = owner_of(got)
     assert php.lease(10, bridge_rows) == []
-    assert queue.lease(10, owner(), LEASE, classes=[first]) == []
+    assert lease(queue, 10, [first]) == []
 
     # The other way round, on rows PHP wrote.
-    theirs = owner()
-    got = queue.lease(3, theirs, LEASE, classes=[second])
+    got = lease(queue, 3, [second])
     assert [t.id for t in got] == php_rows[:3]
     assert [t.data for t in got] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    theirs = owner_of(got)
     assert [t["id"] for t in php.lease(10, php_rows)] == php_rows[3:]
-    assert queue.lease(10, owner(), LEASE, classes=[second]) == []
+    assert lease(queue, 10, [second]) == []
     assert php.lease(10, php_rows) == []
 
     owners = db_owners(queue, bridge_rows + php_rows)
@@ -452,26 +461,28 @@ def test_expired_leases_are_taken_over_and_stale_owners_lose(
     (bridge_row,) = queue.enqueue_many([NewTask(first, {"who": "bridge"})])
     (php_row,) = php.schedule_many([(second, {"who": "php"}, {})])
     created += [bridge_row, php_row]
-    dead = owner()
-    assert [t.id for t in queue.lease(1, dead, LEASE, classes=[first])] == [bridge_row]
+    got = lease(queue, 1, [first])
+    assert [t.id for t in got] == [bridge_row]
+    dead = owner_of(got)
     (php_lease,) = php.lease(1, [php_row])
     # Live leases: neither side takes the other's row.
     assert php.lease(5, [bridge_row, php_row]) == []
-    assert queue.lease(5, owner(), LEASE, classes=[first, second]) == []
+    assert lease(queue, 5, [first, second]) == []
 
     expire(queue, [bridge_row, php_row])
     (taken,) = php.lease(5, [bridge_row])
     assert taken["id"] == bridge_row and taken["leaseOwner"] != dead
     assert taken["data"] == {"who": "bridge"}
-    fresh = owner()
-    assert [t.id for t in queue.lease(5, fresh, LEASE, classes=[first, second])] == [php_row]
+    got = lease(queue, 5, [first, second])
+    assert [t.id for t in got] == [php_row]
+    fresh = owner_of(got)
 
     # The dead bridge worker comes back: its outcomes change nothing.
-    assert not queue.complete(bridge_row, dead, 5)
-    assert not queue.fail_temporary(bridge_row, dead, 60)
-    assert not queue.yield_(bridge_row, dead, 60)
-    assert not queue.renew(bridge_row, dead, 60)
-    assert not queue.fail_permanent(bridge_row, dead)
+    assert not outcomes.complete(queue, bridge_row, dead, 5)
+    assert not outcomes.fail_temporary(queue, bridge_row, dead, 60)
+    assert not outcomes.yield_(queue, bridge_row, dead, 60)
+    assert not outcomes.renew(queue, bridge_row, dead, 60)
+    assert not outcomes.fail_permanent(queue, bridge_row, dead)
     assert db_owners(queue, [bridge_row, php_row]) == {
         bridge_row: taken["leaseOwner"],
         php_row: fresh,
@@ -497,14 +508,14 @@ def test_concurrent_php_and_bridge_leasers_never_share_a_row(
                 .where(active.c.id.in_(ids), active.c.leaseOwner.is_(None))
             ).scalar_one()
 
-    def lease(slot: int) -> None:
+    def leaser(slot: int) -> None:
         try:
             start.wait(30)
             n = 0
             while True:
-                me = owner()
-                got = queue.lease(1 + n % 4, me, LEASE, classes=[task_class])
+                got = lease(queue, 1 + n % 4, [task_class])
                 n += 1
+                me = owner_of(got) if got else ""
                 for task in got:
                     assert task.id not in claims[slot]
                     claims[slot][task.id] = me
@@ -513,7 +524,7 @@ def test_concurrent_php_and_bridge_leasers_never_share_a_row(
         except BaseException as exc:
             errors.append(exc)
 
-    workers = [threading.Thread(target=lease, args=(i,)) for i in range(threads)]
+    workers = [threading.Thread(target=leaser, args=(i,)) for i in range(threads)]
     with php.started("lease-loop", ids=ids) as process:
         for worker in workers:
             worker.start()
@@ -549,12 +560,13 @@ def test_php_reads_the_archives_the_bridge_writes(
     ids = queue.enqueue_many(tasks)
     created += ids
     before = {task_id: queue.get(task_id) for task_id in ids}
-    mine = owner()
-    assert len(queue.lease(3, mine, LEASE, classes=[task_class])) == 3
-    followup = NewTask(task_class, {"after": ids[0]}, objectPHID=object_phid)
-    assert queue.complete(ids[0], mine, 1_234_567, [followup])
-    assert queue.fail_permanent(ids[1], mine, "broken")
-    (cancelled,) = queue.cancel(TaskFilter(ids=[ids[2]]))
+    got = lease(queue, 3, [task_class])
+    assert len(got) == 3
+    mine = owner_of(got)
+    followup = NewTask(task_class, {"after": ids[0]}, object_phid=object_phid)
+    assert outcomes.complete(queue, ids[0], mine, 1_234_567, [followup])
+    assert outcomes.fail_permanent(queue, ids[1], mine)
+    (cancelled,) = OperatorActions(queue).cancel(TaskFilter(ids=[ids[2]]))
     assert cancelled.done
     now = db_now(queue)
 
@@ -575,11 +587,11 @@ def test_php_reads_the_archives_the_bridge_writes(
         assert (got["taskClass"], got["failureCount"], got["dataID"], got["priority"]) == (
             task_class,
             0,
-            old.dataID,
+            old.data_id,
             1500,
         )
         assert (got["objectPHID"], got["containerPHID"]) == (object_phid, container_phid)
-        assert got["dateCreated"] == old.dateCreated
+        assert got["dateCreated"] == old.date_created
         assert now - 5 <= got["archivedEpoch"] <= now
         assert now - 5 <= got["dateModified"] <= now
         assert "failureTime" not in got
@@ -608,10 +620,9 @@ def test_bin_worker_retry_requeues_bridge_archives(
     )
     created += ids
     failed, succeeded = ids
-    mine = owner()
-    queue.lease(2, mine, LEASE, classes=[task_class])
-    assert queue.fail_permanent(failed, mine)
-    assert queue.complete(succeeded, mine, 42)
+    mine = owner_of(lease(queue, 2, [task_class]))
+    assert outcomes.fail_permanent(queue, failed, mine)
+    assert outcomes.complete(queue, succeeded, mine, 42)
     archived = {task_id: queue.get(task_id) for task_id in ids}
 
     done = php.phorge.bin("worker", "retry", "--id", str(failed), "--id", str(succeeded))
@@ -624,20 +635,20 @@ def test_bin_worker_retry_requeues_bridge_archives(
         task, old = queue.get(task_id), archived[task_id]
         assert task is not None and old is not None
         assert not task.archived and task.state is State.QUEUED
-        assert (task.leaseOwner, task.leaseExpires, task.failureCount, task.failureTime) == (
+        assert (task.lease_owner, task.lease_expires, task.failure_count, task.failure_time) == (
             None,
             0,
             0,
             None,
         )
-        assert (task.dataID, task.priority, task.objectPHID, task.containerPHID) == (
-            old.dataID,
+        assert (task.data_id, task.priority, task.object_phid, task.container_phid) == (
+            old.data_id,
             3000,
             "PHID-TASK-r",
             "PHID-REPO-r",
         )
-        assert task.dateCreated == old.dateCreated
-    got = queue.lease(5, owner(), LEASE, classes=[task_class])
+        assert task.date_created == old.date_created
+    got = lease(queue, 5, [task_class])
     assert sorted((t.id, t.data["n"]) for t in got) == [(failed, 0), (succeeded, 1)]
 
 
@@ -646,27 +657,28 @@ def test_php_cancel_or_free_of_a_bridge_lease_wins(
 ) -> None:
     cancelled, freed = queue.enqueue_many([NewTask(task_class, {}), NewTask(task_class, {})])
     created += [cancelled, freed]
-    mine = owner()
-    assert len(queue.lease(2, mine, LEASE, classes=[task_class])) == 2
+    got = lease(queue, 2, [task_class])
+    assert len(got) == 2
+    mine = owner_of(got)
     done = php.phorge.bin("worker", "cancel", "--id", str(cancelled))
     assert labels(done.stderr) == {cancelled: "CANCELLED"}
     done = php.phorge.bin("worker", "free", "--id", str(freed))
     assert labels(done.stderr) == {freed: "LEASE FREED"}
     for task_id in (cancelled, freed):
-        assert not queue.complete(task_id, mine, 1)
-        assert not queue.fail_temporary(task_id, mine, 5)
-        assert not queue.yield_(task_id, mine, 5)
-        assert not queue.renew(task_id, mine, 60)
+        assert not outcomes.complete(queue, task_id, mine, 1)
+        assert not outcomes.fail_temporary(queue, task_id, mine, 5)
+        assert not outcomes.yield_(queue, task_id, mine, 5)
+        assert not outcomes.renew(queue, task_id, mine, 60)
     task = queue.get(cancelled)
-    assert task is not None and (task.archived, task.result, task.leaseOwner) == (True, 2, None)
+    assert task is not None and (task.archived, task.result, task.lease_owner) == (True, 2, None)
     task = queue.get(freed)
-    assert task is not None and (task.archived, task.leaseOwner, task.failureCount) == (
+    assert task is not None and (task.archived, task.lease_owner, task.failure_count) == (
         False,
         None,
         0,
     )
     # The freed row is due again, for whoever leases next.
-    assert [t.id for t in queue.lease(5, owner(), LEASE, classes=[task_class])] == [freed]
+    assert [t.id for t in lease(queue, 5, [task_class])] == [freed]
 
 
 # bin/worker's selectors against TaskFilter's, on rows of one class: three queued rows
@@ -712,9 +724,10 @@ def test_selectors_match_bin_worker(
 ) -> None:
     archived = queue.enqueue_many([NewTask(task_class, {"n": n}, 1) for n in (3, 4)])
     created += archived
-    mine = owner()
-    assert sorted(t.id for t in queue.lease(2, mine, LEASE, classes=[task_class])) == archived
-    assert all(queue.fail_permanent(task_id, mine) for task_id in archived)
+    got = lease(queue, 2, [task_class])
+    assert sorted(t.id for t in got) == archived
+    mine = owner_of(got)
+    assert all(outcomes.fail_permanent(queue, task_id, mine) for task_id in archived)
     live = queue.enqueue_many(
         [NewTask(task_class, {"n": n}, p) for n, p in enumerate((1000, 2000, 3000))]
     )
@@ -737,7 +750,7 @@ def test_selectors_match_bin_worker(
         assert ours == sorted(
             t.id
             for t in queue.list(TaskFilter(ids=[*archived, *live]))
-            if low <= t.failureCount <= high
+            if low <= t.failure_count <= high
         )
     else:
         assert ours == php_selected
@@ -765,23 +778,23 @@ def action(state: str, command: list[str], act: Callable, *marks: Any) -> Any:
 
 
 def cancel(q: PhorgeQueue, f: TaskFilter) -> list:
-    return q.cancel(f)
+    return OperatorActions(q).cancel(f)
 
 
 def free(q: PhorgeQueue, f: TaskFilter) -> list:
-    return q.free(f)
+    return OperatorActions(q).free(f)
 
 
 def delay(q: PhorgeQueue, f: TaskFilter) -> list:
-    return q.delay(f, UNTIL)
+    return OperatorActions(q).delay(f, UNTIL)
 
 
 def reprioritize(priority: int) -> Callable[[PhorgeQueue, TaskFilter], list]:
-    return lambda q, f: q.set_priority(f, priority)
+    return lambda q, f: OperatorActions(q).set_priority(f, priority)
 
 
 def retry(repeat: bool = False) -> Callable[[PhorgeQueue, TaskFilter], list]:
-    return lambda q, f: q.retry(f, repeat=repeat)
+    return lambda q, f: OperatorActions(q).retry(f, repeat=repeat)
 
 
 DELAY = ["delay", "--until", f"@{UNTIL}"]
@@ -828,7 +841,6 @@ class Twins:
         else:
             (task_id,) = php.schedule_many([(task_class, data, {})])
         self.created.append(task_id)
-        mine = owner()
         if state == "queued":
             pass
         elif writer == "php" and state in ("failed", "succeeded"):
@@ -837,13 +849,15 @@ class Twins:
         elif writer == "php" and state in ("leased", "expired"):
             assert [t["id"] for t in php.lease(1, [task_id])] == [task_id]
         else:
-            assert [t.id for t in queue.lease(1, mine, LEASE, classes=[task_class])] == [task_id]
+            got = lease(queue, 1, [task_class])
+            assert [t.id for t in got] == [task_id]
+            mine = owner_of(got)
             if state == "yielded":
-                assert queue.yield_(task_id, mine, 600)
+                assert outcomes.yield_(queue, task_id, mine, 600)
             elif state == "failed":
-                assert queue.fail_permanent(task_id, mine)
+                assert outcomes.fail_permanent(queue, task_id, mine)
             elif state == "succeeded":
-                assert queue.complete(task_id, mine, 7)
+                assert outcomes.complete(queue, task_id, mine, 7)
         if state == "expired":
             expire(queue, [task_id])
         return task_id
@@ -911,7 +925,7 @@ def test_priority_of_an_expired_lease_differs_deliberately(
     by_php, by_bridge = twins.make("expired", "bridge"), twins.make("expired", "php")
     done = php.phorge.bin("worker", "priority", "--priority", "1234", "--id", str(by_php))
     assert done.returncode != 0 and "after lease expiration" in done.stderr
-    (result,) = queue.set_priority(TaskFilter(ids=[by_bridge]), 1234)
+    (result,) = OperatorActions(queue).set_priority(TaskFilter(ids=[by_bridge]), 1234)
     assert result.done
     rows = php.load([by_php, by_bridge])
     assert (rows[by_php]["priority"], rows[by_bridge]["priority"]) == (2000, 1234)
@@ -923,7 +937,7 @@ def test_awaken_matches_php(
     twins = Twins(php, queue, new_class, created)
     by_php, by_bridge = twins.make("yielded", "bridge"), twins.make("yielded", "php")
     php.awaken([by_php])
-    assert queue.awaken([by_bridge]) == 1
+    assert OperatorActions(queue).awaken([by_bridge]) == 1
     now = db_now(queue)
     rows = php.load([by_php, by_bridge])
     assert shape(rows[by_bridge], now) == shape(rows[by_php], now)
@@ -944,8 +958,8 @@ def test_bin_worker_execute_runs_a_bridge_row(
     assert done.returncode == 0, done.stderr
     task = queue.get(task_id)
     assert task is not None
-    assert (task.archived, task.result, task.failureCount, task.leaseOwner) == (True, 0, 0, None)
-    assert (task.priority, task.objectPHID, task.data) == (1500, "PHID-TASK-exec", {})
+    assert (task.archived, task.result, task.failure_count, task.lease_owner) == (True, 0, 0, None)
+    assert (task.priority, task.object_phid, task.data) == (1500, "PHID-TASK-exec", {})
     assert task.duration is not None and 0 <= task.duration < 60_000_000
     got = php.load([task_id])[task_id]
     assert (got["archived"], got["result"], got["duration"]) == (True, 0, task.duration)
@@ -971,15 +985,15 @@ def test_php_taskmaster_runs_bridge_rows(
 
     succeeded, failed, waiting = (queue.get(i) for i in ids)
     assert succeeded is not None and failed is not None and waiting is not None
-    assert (succeeded.archived, succeeded.result, succeeded.leaseOwner) == (
+    assert (succeeded.archived, succeeded.result, succeeded.lease_owner) == (
         True,
         0,
         ok["ranAs"],
     )
     assert (failed.archived, failed.result, failed.duration) == (True, 1, 0)
-    assert (waiting.failureCount, waiting.leaseOwner) == (1, temporary["ranAs"])
-    assert waiting.failureTime is not None and now - 2 <= waiting.failureTime <= now + 5
-    assert now + 600 - 5 <= (waiting.leaseExpires or 0) <= now + 600 + 5
+    assert (waiting.failure_count, waiting.lease_owner) == (1, temporary["ranAs"])
+    assert waiting.failure_time is not None and now - 2 <= waiting.failure_time <= now + 5
+    assert now + 600 - 5 <= (waiting.lease_expires or 0) <= now + 600 + 5
     assert waiting.state is State.RETRY_WAIT
     assert php.lease(1, [ids[2]]) == []
 
@@ -1004,7 +1018,7 @@ def test_a_php_retry_in_progress_reads_as_leased(
         )
     (second_run,) = php.lease(1, [task_id])  # a taskmaster takes it for its second run
     task = queue.get(task_id)
-    assert task is not None and task.leaseOwner == second_run["leaseOwner"]
+    assert task is not None and task.lease_owner == second_run["leaseOwner"]
     assert task.state is State.LEASED
 
 
@@ -1013,13 +1027,12 @@ def test_php_sees_a_bridge_yield_only_after_it(
 ) -> None:
     (task_id,) = queue.enqueue_many([NewTask(task_class, {"y": 1})])
     created.append(task_id)
-    mine = owner()
-    queue.lease(1, mine, LEASE, classes=[task_class])
+    mine = owner_of(lease(queue, 1, [task_class]))
     at = db_now(queue)
-    assert queue.yield_(task_id, mine, 1)  # at least 5 s, as PHP's executeTask
+    assert outcomes.yield_(queue, task_id, mine, 1)  # at least 5 s, as PHP's executeTask
     yielded = queue.get(task_id)
     assert yielded is not None and yielded.state is State.YIELDED
-    until = yielded.leaseExpires
+    until = yielded.lease_expires
     assert until is not None and at + 5 <= until <= at + 6
 
     seen_before = []

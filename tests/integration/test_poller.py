@@ -10,25 +10,28 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+import outcomes
 import pytest
 from bad_rows import corrupt_data
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_result
 from sqlalchemy import Engine, event, update
 
+from bridge.celery import app
 from bridge.config import load_settings
+from bridge.engine import poll
+from bridge.engine.context import Runtime
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.registry import Registry
 from bridge.phorge.conduit import ConduitClient
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
-from bridge.queue.model import NewTask, TaskFilter, lease_epoch, new_owner
+from bridge.queue.model import NewTask, TaskFilter, lease_epoch
 from bridge.queue.schema import worker_activetask as active
 from bridge.runtime import dispatch
-from bridge.runtime.context import Runtime
-from bridge.runtime.poller import poll_once
 
 pytestmark = pytest.mark.mariadb
 
@@ -61,13 +64,13 @@ def sent(monkeypatch) -> list[Message]:
     """The tasks polls send, in order, one entry a task (a batch message gives several)."""
     messages: list[Message] = []
 
-    def publish(producer, queue, name, args, kwargs, argsrepr, traceparent) -> None:
+    def publish(_app, producer, queue, name, args, kwargs, argsrepr, traceparent) -> None:
         # Every message carries a trace context of its own for the execution to keep.
         assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", traceparent)
         repoll = kwargs.get("repoll", False)
         if name == dispatch.EXECUTE_TASK:
             task_id, owner, failure_count = args
-            tasks = [[task_id, failure_count, kwargs["taskClass"], kwargs.get("data")]]
+            tasks = [[task_id, failure_count, kwargs["task_class"], kwargs.get("data")]]
         else:
             assert name == dispatch.EXECUTE_BATCH and set(kwargs) <= {"repoll"}
             owner, tasks = args
@@ -116,6 +119,11 @@ def make_runtime(mysql_engine: Engine) -> Iterator[Callable[..., Runtime]]:
         queue.engine.dispose()
 
 
+def poll_once(rt: Runtime) -> int:
+    """One poll, sending through the Celery runtime's dispatch (its publish recorded)."""
+    return poll.poll_once(rt, partial(dispatch.send, app))
+
+
 def enqueue(rt: Runtime, task_class: str, count: int = 1, data: Any = None, **options) -> list[int]:
     return rt.queue.enqueue_many([NewTask(task_class, data, **options)] * count)
 
@@ -133,11 +141,11 @@ def test_each_leased_task_goes_to_its_class_queue_with_its_lease_and_label(make_
     assert (by_id[fast].queue, by_id[slow].queue) == ("fast", "phorge")
     for task_id, message in by_id.items():
         [task] = rt.queue.list(TaskFilter(ids=[task_id]))
-        assert message.owner == task.leaseOwner and message.owner.startswith("bridge:")
-        assert message.failure_count == task.failureCount
-        assert message.data == task.rawData
+        assert message.owner == task.lease_owner and message.owner.startswith("bridge:")
+        assert message.failure_count == task.failure_count
+        assert message.data == task.raw_data
         assert message.argsrepr == repr((task.label,))
-        assert task.leaseExpires - task.serverTime in (DISPATCH_LEASE, DISPATCH_LEASE - 1)
+        assert task.lease_expires - task.server_time in (DISPATCH_LEASE, DISPATCH_LEASE - 1)
 
 
 def test_large_data_stays_in_the_database(make_runtime, sent):
@@ -177,8 +185,8 @@ def test_each_queue_leases_only_up_to_its_free_capacity(make_runtime, sent):
 
     sent.clear()
     assert poll_once(rt) == 0, "leases in flight are counted"
-    first = next(t for t in rt.queue.list(TaskFilter(ids=fast)) if t.leaseOwner)
-    rt.queue.complete(first.id, first.leaseOwner, 1)
+    first = next(t for t in rt.queue.list(TaskFilter(ids=fast)) if t.lease_owner)
+    outcomes.complete(rt.queue, first.id, first.lease_owner, 1)
     poll_once(rt)
     assert per_queue(sent) == {(FAST, "fast"): 1}
 
@@ -208,7 +216,7 @@ def test_only_classes_the_bridge_can_run_are_leased(make_runtime, sent, settings
     [php_only] = enqueue(rt, "PhabricatorSearchWorker")
     poll_once(rt)
     assert {m.task_class for m in sent} == leased
-    unleased = [t for t in rt.queue.list(TaskFilter(active=True)) if t.leaseOwner is None]
+    unleased = [t for t in rt.queue.list(TaskFilter(active=True)) if t.lease_owner is None]
     assert php_only in {t.id for t in unleased}
 
 
@@ -248,7 +256,7 @@ def test_rows_waiting_to_retry_are_not_in_flight(make_runtime, sent):
     rt = make_runtime(MAX_INFLIGHT="1")
     [failed] = enqueue(rt, FAST)
     poll_once(rt)
-    rt.queue.fail_temporary(failed, sent[0].owner, 600)
+    outcomes.fail_temporary(rt.queue, failed, sent[0].owner, 600)
     enqueue(rt, FAST)
     assert poll_once(rt) == 1
 
@@ -257,7 +265,7 @@ def test_another_bridges_leases_do_not_use_this_bridges_capacity(make_runtime, s
     """Two bridges on one Phorge database, owner prefixes 'bridge' and 'bridge-eu'."""
     rt = make_runtime(MAX_INFLIGHT="2")
     enqueue(rt, FAST, count=4)
-    rt.queue.lease(2, new_owner("bridge-eu"), DISPATCH_LEASE, classes=[FAST])
+    rt.queue.lease(2, DISPATCH_LEASE, owner_prefix="bridge-eu", classes=[FAST])
     assert poll_once(rt) == 2
 
 
@@ -266,14 +274,14 @@ def test_a_broker_refusal_hands_back_the_unsent_leases(make_runtime, monkeypatch
     ids = enqueue(rt, FAST, count=3)
     sent_ids = []
 
-    def refuse_after_one(producer, queue, name, args, *_rest) -> None:
+    def refuse_after_one(_app, producer, queue, name, args, *_rest) -> None:
         if sent_ids:
             raise ConnectionError("broker went away")
         sent_ids.append(args[0])
 
     monkeypatch.setattr(dispatch, "publish", refuse_after_one)
     assert poll_once(rt) == 1
-    owners = {t.id: t.leaseOwner for t in rt.queue.list(TaskFilter(ids=ids))}
+    owners = {t.id: t.lease_owner for t in rt.queue.list(TaskFilter(ids=ids))}
     assert owners[sent_ids[0]] is not None
     assert [owner for task_id, owner in owners.items() if task_id not in sent_ids] == [None] * 2
 
@@ -348,4 +356,4 @@ def test_lease_owners_carry_the_database_clock(make_runtime, sent, monkeypatch):
     monkeypatch.setattr("time.time", lambda: 4_000_000_000.0)  # this host's clock is off
     assert poll_once(rt) == 1
     [task] = rt.queue.list(TaskFilter(classes=[FAST]))
-    assert abs(lease_epoch(task.leaseOwner) - task.serverTime) <= 1
+    assert abs(lease_epoch(task.lease_owner) - task.server_time) <= 1

@@ -12,14 +12,15 @@ from contextlib import closing
 
 import MySQLdb
 import MySQLdb.cursors
+import outcomes
 import pytest
 from sqlalchemy import Engine, event, func, select, update
 from sqlalchemy.exc import DataError
 from threads import run_together
 
-from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue import OperatorActions, PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
-from bridge.queue.model import NewTask, State, TaskFilter, new_owner
+from bridge.queue.model import NewTask, State, TaskFilter, lease_epoch
 from bridge.queue.schema import lisk_counter
 from bridge.queue.schema import worker_activetask as active
 
@@ -123,7 +124,7 @@ def test_ids_interleave_with_a_php_writer_on_another_connection(q):
     assert len(set(ids)) == len(ids) == 4 * per_writer  # no collision
     assert sorted(ids) == list(range(1, last + 1))  # one sequence: no id lost or skipped
     # Each row holds its own writer's payload, and the bridge reads PHP's rows.
-    leased = q.lease(len(ids), new_owner("test"))
+    leased = q.lease(len(ids), owner_prefix="test")
     assert {t.id: t.data for t in leased} == dict(written)
 
 
@@ -142,17 +143,23 @@ def test_eight_concurrent_leasers_never_win_the_same_row(q):
             free = (active.c.leaseOwner.is_(None)) | (active.c.leaseOwner == "dead:1")
             return conn.execute(select(func.count()).where(free)).scalar_one()
 
+    call_owners: list[str] = []  # one entry a call that won rows
+
     def leaser() -> list[tuple[int, str]]:
         won = []
         while True:
-            owner = new_owner("leaser")
-            tasks = q.lease(25, owner, 600)
-            assert all(t.leaseOwner == owner for t in tasks)
-            won += [(t.id, owner) for t in tasks]
+            tasks = q.lease(25, 600, owner_prefix="leaser")
+            if tasks:
+                owner = tasks[0].lease_owner
+                assert owner.startswith("leaser:")
+                assert all(t.lease_owner == owner for t in tasks)
+                call_owners.append(owner)
+                won += [(t.id, owner) for t in tasks]
             if not tasks and leasable() == 0:
                 return won
 
     leases = [pair for result in run_together(*[leaser] * 8) for pair in result]
+    assert len(set(call_owners)) == len(call_owners)  # each call leased under its own owner
 
     leased_ids = [task_id for task_id, _ in leases]
     assert len(leased_ids) == len(set(leased_ids))  # never the same row twice
@@ -177,9 +184,9 @@ def test_rows_we_write_are_plain_phorge_rows(q):
     phids = {"object_phid": "PHID-TASK-abc", "container_phid": "PHID-REPO-def"}
     waiting = q.enqueue(WORKER, {"key": BIG_KEY}, priority=1500, **phids)
     done = q.enqueue(WORKER, 2, priority=1500, **phids)
-    first, second = q.lease(2, new_owner("test"))
-    assert q.fail_temporary(waiting, first.leaseOwner, 300)
-    assert q.complete(done, second.leaseOwner, 1_500_000)
+    first, second = q.lease(2, owner_prefix="test")
+    assert outcomes.fail_temporary(q, waiting, first.lease_owner, 300)
+    assert outcomes.complete(q, done, second.lease_owner, 1_500_000)
 
     [active_row] = raw_rows(q.engine, "SELECT * FROM worker_activetask")
     [archive_row] = raw_rows(q.engine, "SELECT * FROM worker_archivetask")
@@ -236,18 +243,22 @@ def test_times_come_from_the_database_clock_never_the_hosts(mysql_engine):
         assert abs(server_now + skew - time.time()) < 5
 
         retried, yielded, done, cancelled = (q.enqueue(WORKER, {"n": n}) for n in range(4))
-        tasks = {t.id: t for t in q.lease(3, new_owner("test"))}
-        assert q.cancel(TaskFilter(ids=[cancelled]))[0].done
-        assert q.fail_temporary(retried, tasks[retried].leaseOwner, 0)
+        tasks = {t.id: t for t in q.lease(3, owner_prefix="test")}
+        # The owners the lease minted carry the database's time, not the host's.
+        assert all(
+            server_now <= lease_epoch(t.lease_owner) <= server_now + 5 for t in tasks.values()
+        )
+        assert OperatorActions(q).cancel(TaskFilter(ids=[cancelled]))[0].done
+        assert outcomes.fail_temporary(q, retried, tasks[retried].lease_owner, 0)
         with engine.begin() as conn:
             conn.execute(
                 update(active).where(active.c.id == retried).values(leaseExpires=db_now() - 1)
             )
-        [again] = q.lease(1, new_owner("test"))
-        assert q.renew(retried, again.leaseOwner, 600)
-        assert q.yield_(yielded, tasks[yielded].leaseOwner, 60)
-        assert q.complete(done, tasks[done].leaseOwner, 5, [NewTask(WORKER, {})])
-        assert q.retry(TaskFilter(ids=[cancelled]))[0].done
+        [again] = q.lease(1, owner_prefix="test")
+        assert outcomes.renew(q, retried, again.lease_owner, 600)
+        assert outcomes.yield_(q, yielded, tasks[yielded].lease_owner, 60)
+        assert outcomes.complete(q, done, tasks[done].lease_owner, 5, [NewTask(WORKER, {})])
+        assert OperatorActions(q).retry(TaskFilter(ids=[cancelled]))[0].done
 
         # By the host's clock this yield ended ten days ago and the archive row is old.
         assert q.get(yielded).state is State.YIELDED

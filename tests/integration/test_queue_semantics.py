@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import outcomes
 import pytest
 from sqlalchemy import event, func, insert, select, update
 
-from bridge.queue import PhorgeQueue, make_engine
+from bridge.config import MAX_OWNER_PREFIX
+from bridge.queue import OperatorActions, PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
 from bridge.queue.model import (
     MAX_UINT32,
@@ -29,7 +31,6 @@ from bridge.queue.model import (
     State,
     Task,
     TaskFilter,
-    new_owner,
 )
 from bridge.queue.schema import lisk_counter, metadata
 from bridge.queue.schema import worker_activetask as active
@@ -110,7 +111,7 @@ def assert_now(q: PhorgeQueue, epoch: int | None, slack: int = 2) -> None:
 
 def expect_next_lease(q: PhorgeQueue, task_id: int | None) -> Task | None:
     """Phorge's ``expectNextLease``: lease one task and check which (None: nothing)."""
-    leased = q.lease(1, new_owner("test"))
+    leased = q.lease(1, owner_prefix="test")
     if task_id is None:
         assert leased == []
         return None
@@ -134,19 +135,19 @@ def make_task(q: PhorgeQueue, state: str, task_class: str = WORKER, **options) -
     if state == "delayed":
         return q.enqueue(task_class, data, delay_until=now(q) + 3600, **options)
     task = leased_task(q, data, task_class, **options)
-    owner = task.leaseOwner
+    owner = task.lease_owner
     if state == "failed":  # one temporary failure first, then a permanent one
-        assert q.fail_temporary(task.id, owner, 0)
+        assert outcomes.fail_temporary(q, task.id, owner, 0)
         expire(q, task.id, 100000)  # the oldest expiry: leased next even if others expired
-        owner = expect_next_lease(q, task.id).leaseOwner
+        owner = expect_next_lease(q, task.id).lease_owner
     outcome = {
         "leased": lambda: True,
         "expired": lambda: expire(q, task.id) or True,
-        "waiting": lambda: q.fail_temporary(task.id, owner, 600),
-        "yielded": lambda: q.yield_(task.id, owner, 600),
-        "succeeded": lambda: q.complete(task.id, owner, 1000),
-        "failed": lambda: q.fail_permanent(task.id, owner, "test"),
-        "cancelled": lambda: q.cancel(TaskFilter(ids=[task.id]))[0].done,
+        "waiting": lambda: outcomes.fail_temporary(q, task.id, owner, 600),
+        "yielded": lambda: outcomes.yield_(q, task.id, owner, 600),
+        "succeeded": lambda: outcomes.complete(q, task.id, owner, 1000),
+        "failed": lambda: outcomes.fail_permanent(q, task.id, owner),
+        "cancelled": lambda: OperatorActions(q).cancel(TaskFilter(ids=[task.id]))[0].done,
     }[state]
     assert outcome()
     return task.id
@@ -157,12 +158,13 @@ def make_task(q: PhorgeQueue, state: str, task_class: str = WORKER, **options) -
 
 def test_lease_works(q):
     task_id = q.enqueue(WORKER, {"doWork": "nothing"})
-    owner = new_owner("test")
-    [task] = q.lease(1, owner)
-    assert (task.id, task.taskClass, task.data) == (task_id, WORKER, {"doWork": "nothing"})
-    assert (task.leaseOwner, task.failureCount, task.priority) == (owner, 0, PRIORITY_DEFAULT)
+    [task] = q.lease(1, owner_prefix="test")
+    owner = task.lease_owner
+    assert owner.startswith("test:")
+    assert (task.id, task.task_class, task.data) == (task_id, WORKER, {"doWork": "nothing"})
+    assert (task.lease_owner, task.failure_count, task.priority) == (owner, 0, PRIORITY_DEFAULT)
     # Phorge's default lease, counted on the database clock.
-    assert 7200 - 2 <= task.leaseExpires - task.serverTime <= 7200
+    assert 7200 - 2 <= task.lease_expires - task.server_time <= 7200
     assert active_row(q, task_id).leaseOwner == owner
     assert task.state is State.LEASED
 
@@ -207,11 +209,11 @@ def test_lower_priority_number_first_and_fifo_within_a_priority(q):
 def test_temporary_failure_keeps_the_row_and_counts_it(q, wait):
     task = leased_task(q, {"n": 1})
     if wait is None:
-        assert q.fail_temporary(task.id, task.leaseOwner)
+        assert outcomes.fail_temporary(q, task.id, task.lease_owner)
     else:
-        assert q.fail_temporary(task.id, task.leaseOwner, wait)
+        assert outcomes.fail_temporary(q, task.id, task.lease_owner, wait)
     row = active_row(q, task.id)
-    assert (row.failureCount, row.leaseOwner) == (1, task.leaseOwner)
+    assert (row.failureCount, row.leaseOwner) == (1, task.lease_owner)
     assert_now(q, row.failureTime)
     # The wait is counted from the failure, on the database clock (300 s by default).
     assert row.leaseExpires == row.failureTime + (300 if wait is None else wait)
@@ -223,12 +225,13 @@ def test_past_the_maximum_retry_count_the_next_run_fails_permanently(q):
     task_id = q.enqueue(WORKER, {"doWork": "fail-temporary"})
     for failures in range(1, maximum + 2):
         task = expect_next_lease(q, task_id)
-        assert q.fail_temporary(task_id, task.leaseOwner, 0)
+        assert outcomes.fail_temporary(q, task_id, task.lease_owner, 0)
         assert active_row(q, task_id).failureCount == failures
         expire(q, task_id)  # Phorge's test waits -60 s before each retry
     task = expect_next_lease(q, task_id)
-    assert task.failureCount == maximum + 1
-    assert q.fail_permanent(task_id, task.leaseOwner, "exceeded the maximum number of failures")
+    assert task.failure_count == maximum + 1
+    # Exceeded the maximum number of failures:
+    assert outcomes.fail_permanent(q, task_id, task.lease_owner)
     row = archive_row(q, task_id)
     assert (row.result, row.duration, row.failureCount) == (RESULT_FAILURE, 0, maximum + 1)
     assert active_row(q, task_id) is None
@@ -237,16 +240,16 @@ def test_past_the_maximum_retry_count_the_next_run_fails_permanently(q):
 
 def test_a_wait_before_retry_holds_the_task_back(q):
     task = leased_task(q)
-    assert q.fail_temporary(task.id, task.leaseOwner, 1000000)
+    assert outcomes.fail_temporary(q, task.id, task.lease_owner, 1000000)
     expect_next_lease(q, None)
     assert q.get(task.id).state is State.RETRY_WAIT
     expire(q, task.id)  # the wait is over
-    assert expect_next_lease(q, task.id).failureCount == 1
+    assert expect_next_lease(q, task.id).failure_count == 1
 
 
 def test_permanent_failure_archives_result_1(q):
     task = leased_task(q, {"doWork": "fail-permanent"})
-    assert q.fail_permanent(task.id, task.leaseOwner, "boom")
+    assert outcomes.fail_permanent(q, task.id, task.lease_owner)
     row = archive_row(q, task.id)
     assert (row.result, row.duration) == (RESULT_FAILURE, 0)
     assert active_row(q, task.id) is None
@@ -256,12 +259,12 @@ def test_permanent_failure_archives_result_1(q):
 def test_success_archives_result_0_keeping_the_active_rows_columns(q):
     phids = {"object_phid": "PHID-TASK-abcd", "container_phid": "PHID-REPO-efgh"}
     task = leased_task(q, {"doWork": "succeed"}, priority=1500, **phids)
-    assert q.fail_temporary(task.id, task.leaseOwner, 0)  # so failureTime is set
+    assert outcomes.fail_temporary(q, task.id, task.lease_owner, 0)  # so failureTime is set
     update_active(q, task.id, dateCreated=db_now() - 5000, leaseExpires=db_now() - 1)
     task = expect_next_lease(q, task.id)
     before = active_row(q, task.id)
 
-    assert q.complete(task.id, task.leaseOwner, 1_234_567)
+    assert outcomes.complete(q, task.id, task.lease_owner, 1_234_567)
 
     row = archive_row(q, task.id)
     assert (row.result, row.duration) == (RESULT_SUCCESS, 1_234_567)  # microseconds
@@ -270,9 +273,9 @@ def test_success_archives_result_0_keeping_the_active_rows_columns(q):
     kept = ("id", "taskClass", "leaseOwner", "leaseExpires", "failureCount", "dataID")
     kept += ("priority", "objectPHID", "containerPHID", "dateCreated")
     assert {c: getattr(row, c) for c in kept} == {c: getattr(before, c) for c in kept}
-    assert row.failureCount == 1 and row.leaseOwner == task.leaseOwner
+    assert row.failureCount == 1 and row.leaseOwner == task.lease_owner
     assert "failureTime" not in row._fields
-    assert q.get(task.id).failureTime is None
+    assert q.get(task.id).failure_time is None
     assert active_row(q, task.id) is None
     assert data_text(q, task.id) == '{"doWork":"succeed"}'
 
@@ -281,27 +284,27 @@ def test_a_run_longer_than_71_minutes_is_archived_with_its_duration(q):
     # duration is a bigint unsigned of microseconds: 2**32 µs is only 71.6 minutes.
     task = leased_task(q)
     three_hours = 3 * 3600 * 1_000_000
-    assert q.complete(task.id, task.leaseOwner, three_hours)
+    assert outcomes.complete(q, task.id, task.lease_owner, three_hours)
     assert archive_row(q, task.id).duration == three_hours
 
 
 def test_renew_gives_the_required_lease_time(q):
     task = leased_task(q)
-    assert q.renew(task.id, task.leaseOwner, 1000000)
+    assert outcomes.renew(q, task.id, task.lease_owner, 1000000)
     assert active_row(q, task.id).leaseExpires - now(q) > 1000000 - 3
 
 
 # -- fencing: only the current owner's outcome counts --------------------------------------
 
 OUTCOMES: dict[str, Callable[[PhorgeQueue, int, str], bool]] = {
-    "complete": lambda q, task_id, owner: q.complete(task_id, owner, 1000),
-    "complete+followups": lambda q, task_id, owner: q.complete(
-        task_id, owner, 1000, [NewTask("PhabricatorSearchWorker", {"x": 1})]
+    "complete": lambda q, task_id, owner: outcomes.complete(q, task_id, owner, 1000),
+    "complete+followups": lambda q, task_id, owner: outcomes.complete(
+        q, task_id, owner, 1000, [NewTask("PhabricatorSearchWorker", {"x": 1})]
     ),
-    "fail_temporary": lambda q, task_id, owner: q.fail_temporary(task_id, owner, 60),
-    "fail_permanent": lambda q, task_id, owner: q.fail_permanent(task_id, owner, "late"),
-    "yield_": lambda q, task_id, owner: q.yield_(task_id, owner, 60),
-    "renew": lambda q, task_id, owner: q.renew(task_id, owner, 3600),
+    "fail_temporary": lambda q, task_id, owner: outcomes.fail_temporary(q, task_id, owner, 60),
+    "fail_permanent": lambda q, task_id, owner: outcomes.fail_permanent(q, task_id, owner),
+    "yield_": lambda q, task_id, owner: outcomes.yield_(q, task_id, owner, 60),
+    "renew": lambda q, task_id, owner: outcomes.renew(q, task_id, owner, 3600),
 }
 
 
@@ -309,7 +312,7 @@ OUTCOMES: dict[str, Callable[[PhorgeQueue, int, str], bool]] = {
 def test_the_live_owner_wins_each_outcome(q, outcome):
     task = leased_task(q)
     before = snapshot(q)
-    assert OUTCOMES[outcome](q, task.id, task.leaseOwner) is True
+    assert OUTCOMES[outcome](q, task.id, task.lease_owner) is True
     assert snapshot(q) != before
 
 
@@ -319,19 +322,19 @@ def test_a_stale_owner_changes_nothing(q, outcome, released):
     stale = leased_task(q, {"n": 1})
     expire(q, stale.id)
     if released:
-        assert expect_next_lease(q, stale.id).leaseOwner != stale.leaseOwner
+        assert expect_next_lease(q, stale.id).lease_owner != stale.lease_owner
     before = snapshot(q)
-    assert OUTCOMES[outcome](q, stale.id, stale.leaseOwner) is False
+    assert OUTCOMES[outcome](q, stale.id, stale.lease_owner) is False
     assert snapshot(q) == before
 
 
 def test_held_and_free_own_touch_only_the_callers_live_leases(q):
     mine, theirs = leased_task(q), leased_task(q)
-    assert q.held(mine.id, mine.leaseOwner).id == mine.id
-    assert q.held(theirs.id, mine.leaseOwner) is None
-    assert q.free_own([mine.id, theirs.id], mine.leaseOwner) == 1
-    assert active_row(q, theirs.id).leaseOwner == theirs.leaseOwner
-    assert q.held(mine.id, mine.leaseOwner) is None
+    assert q.held(mine.id, mine.lease_owner).id == mine.id
+    assert q.held(theirs.id, mine.lease_owner) is None
+    assert q.free_own([mine.id, theirs.id], mine.lease_owner) == 1
+    assert active_row(q, theirs.id).leaseOwner == theirs.lease_owner
+    assert q.held(mine.id, mine.lease_owner) is None
     expect_next_lease(q, mine.id)  # handed back, due at once
 
 
@@ -342,21 +345,20 @@ def test_lease_honours_classes_exclusions_limit_and_lease_seconds(q):
     search = q.enqueue("PhabricatorSearchWorker")
     mail = q.enqueue("PhabricatorMetaMTAWorker", 2)
     feed = q.enqueue("FeedPublisherWorker")
-    owner = new_owner("test")
-    assert q.lease(5, owner, classes=[]) == []
-    assert q.lease(0, owner) == []
-    [task] = q.lease(5, owner, 30, classes=["PhabricatorMetaMTAWorker"])
+    assert q.lease(5, owner_prefix="test", classes=[]) == []
+    assert q.lease(0, owner_prefix="test") == []
+    [task] = q.lease(5, 30, owner_prefix="test", classes=["PhabricatorMetaMTAWorker"])
     assert (task.id, task.data) == (mail, 2)
-    assert 28 <= task.leaseExpires - task.serverTime <= 30
-    leased = q.lease(5, new_owner("test"), exclude_classes=["FeedPublisherWorker"])
+    assert 28 <= task.lease_expires - task.server_time <= 30
+    leased = q.lease(5, owner_prefix="test", exclude_classes=["FeedPublisherWorker"])
     assert [t.id for t in leased] == [search]
-    assert [t.id for t in q.lease(5, new_owner("test"))] == [feed]
+    assert [t.id for t in q.lease(5, owner_prefix="test")] == [feed]
 
 
 def test_lease_returns_only_the_rows_this_call_won(q):
     ids = [q.enqueue(WORKER, {"n": n}) for n in range(3)]
-    first = q.lease(2, new_owner("test"))
-    second = q.lease(5, new_owner("test"))
+    first = q.lease(2, owner_prefix="test")
+    second = q.lease(5, owner_prefix="test")
     assert [t.id for t in first] == ids[:2]
     assert [t.id for t in second] == ids[2:]
     assert [t.data for t in first + second] == [{"n": 0}, {"n": 1}, {"n": 2}]
@@ -381,7 +383,7 @@ def test_a_delay_already_due_leases_at_once(q):
 @pytest.mark.parametrize("asked, held_back", [(0, 5), (1, 5), (60, 60)])
 def test_a_yielded_task_comes_back_after_its_yield(q, asked, held_back):
     task = leased_task(q, {"n": 1})
-    assert q.yield_(task.id, task.leaseOwner, asked)
+    assert outcomes.yield_(q, task.id, task.lease_owner, asked)
     row = active_row(q, task.id)
     assert (row.leaseOwner, row.failureCount) == (YIELD_OWNER, 0)
     assert row.leaseExpires - row.dateModified == held_back  # at least 5 s
@@ -389,13 +391,13 @@ def test_a_yielded_task_comes_back_after_its_yield(q, asked, held_back):
     expect_next_lease(q, None)
     expire(q, task.id)  # the yield is over: leased again (phase 2: it has an owner)
     again = expect_next_lease(q, task.id)
-    assert (again.failureCount, again.data) == (0, {"n": 1})
+    assert (again.failure_count, again.data) == (0, {"n": 1})
 
 
 def test_awaken_brings_a_yielded_task_forward(q):
     task_id = make_task(q, "yielded")
     expect_next_lease(q, None)
-    assert q.awaken([task_id]) == 1
+    assert OperatorActions(q).awaken([task_id]) == 1
     row = active_row(q, task_id)
     assert row.leaseOwner == YIELD_OWNER
     assert_now(q, row.leaseExpires + 3600)
@@ -404,14 +406,14 @@ def test_awaken_brings_a_yielded_task_forward(q):
 
 def test_awaken_refuses_failed_and_unyielded_tasks(q):
     failed = leased_task(q)
-    assert q.fail_temporary(failed.id, failed.leaseOwner, 0)
+    assert outcomes.fail_temporary(q, failed.id, failed.lease_owner, 0)
     expire(q, failed.id)
     retried = expect_next_lease(q, failed.id)
-    assert q.yield_(failed.id, retried.leaseOwner, 3600)  # yielded, but failureCount 1
+    assert outcomes.yield_(q, failed.id, retried.lease_owner, 3600)  # yielded, but failureCount 1
     others = [make_task(q, state) for state in ("leased", "waiting", "queued", "delayed")]
     before = snapshot(q)
-    assert q.awaken([failed.id, *others]) == 0
-    assert q.awaken([]) == 0
+    assert OperatorActions(q).awaken([failed.id, *others]) == 0
+    assert OperatorActions(q).awaken([]) == 0
     assert snapshot(q) == before
 
 
@@ -426,24 +428,24 @@ def test_followups_are_enqueued_with_the_archive(q):
             "FeedPublisherWorker",
             {"key": BIG_KEY},
             priority=3500,
-            objectPHID="PHID-TASK-1",
-            containerPHID="PHID-REPO-1",
+            object_phid="PHID-TASK-1",
+            container_phid="PHID-REPO-1",
         ),
-        NewTask("PhabricatorMetaMTAWorker", 2, delayUntil=now(q) + 600),
+        NewTask("PhabricatorMetaMTAWorker", 2, delay_until=now(q) + 600),
     ]
-    assert q.complete(parent.id, parent.leaseOwner, 1500, followups)
+    assert outcomes.complete(q, parent.id, parent.lease_owner, 1500, followups)
 
     assert archive_row(q, parent.id).result == RESULT_SUCCESS
     search, feed, mail = sorted(q.list(TaskFilter(active=True)), key=lambda t: t.id)
     # Ids come from lisk_counter, right after the parent's.
     assert [search.id, feed.id, mail.id] == [parent.id + 1, parent.id + 2, parent.id + 3]
     assert counter(q) == parent.id + 3
-    assert (search.taskClass, search.data, search.priority) == (
+    assert (search.task_class, search.data, search.priority) == (
         "PhabricatorSearchWorker",
         {"documentPHID": "PHID-TASK-1"},
         1000,  # the parent's priority, as flushTaskQueue($defaults)
     )
-    assert (feed.data, feed.priority, feed.objectPHID, feed.containerPHID) == (
+    assert (feed.data, feed.priority, feed.object_phid, feed.container_phid) == (
         {"key": BIG_KEY},
         3500,
         "PHID-TASK-1",
@@ -464,11 +466,15 @@ def test_followups_and_the_archive_commit_together(q):
     event.listen(q.engine, "before_cursor_execute", crash_on_followup_insert)
     try:
         with pytest.raises(RuntimeError):
-            q.complete(parent.id, parent.leaseOwner, 1, [NewTask("PhabricatorSearchWorker", {})])
+            outcomes.complete(
+                q, parent.id, parent.lease_owner, 1, [NewTask("PhabricatorSearchWorker", {})]
+            )
     finally:
         event.remove(q.engine, "before_cursor_execute", crash_on_followup_insert)
     assert snapshot(q) == before  # still leased, no archive row, no data row, no id taken
-    assert q.complete(parent.id, parent.leaseOwner, 1, [NewTask("PhabricatorSearchWorker", {})])
+    assert outcomes.complete(
+        q, parent.id, parent.lease_owner, 1, [NewTask("PhabricatorSearchWorker", {})]
+    )
 
 
 @pytest.mark.parametrize(
@@ -487,18 +493,18 @@ def test_a_bad_followup_is_refused_before_the_task_is_archived(q, followup):
     task = leased_task(q)
     before = snapshot(q)
     with pytest.raises(ValueError):
-        q.complete(task.id, task.leaseOwner, 1, [followup])
+        outcomes.complete(q, task.id, task.lease_owner, 1, [followup])
     assert snapshot(q) == before
 
 
 # -- bin/worker's operator actions ---------------------------------------------------------
 
 ACTIONS: dict[str, Callable[[PhorgeQueue, TaskFilter], list]] = {
-    "cancel": lambda q, selector: q.cancel(selector),
-    "free": lambda q, selector: q.free(selector),
-    "delay": lambda q, selector: q.delay(selector, now(q) + 3600),
-    "priority": lambda q, selector: q.set_priority(selector, PRIORITY_DEFAULT),
-    "retry": lambda q, selector: q.retry(selector),
+    "cancel": lambda q, selector: OperatorActions(q).cancel(selector),
+    "free": lambda q, selector: OperatorActions(q).free(selector),
+    "delay": lambda q, selector: OperatorActions(q).delay(selector, now(q) + 3600),
+    "priority": lambda q, selector: OperatorActions(q).set_priority(selector, PRIORITY_DEFAULT),
+    "retry": lambda q, selector: OperatorActions(q).retry(selector),
 }
 
 
@@ -548,7 +554,7 @@ def test_operator_actions_refuse_an_unconstrained_selector(q):
 def test_cancel_archives_result_2_and_breaks_the_lease(q, state):
     task_id = make_task(q, state)
     held = active_row(q, task_id)
-    [result] = q.cancel(TaskFilter(ids=[task_id]))
+    [result] = OperatorActions(q).cancel(TaskFilter(ids=[task_id]))
     assert result.done
     row = archive_row(q, task_id)
     assert (row.result, row.duration, row.leaseOwner) == (RESULT_CANCELLED, 0, None)
@@ -561,14 +567,14 @@ def test_cancel_archives_result_2_and_breaks_the_lease(q, state):
     assert active_row(q, task_id) is None
     assert q.get(task_id).data == {"state": state}
     if held.leaseOwner:  # the worker that held it can no longer report anything
-        assert not q.complete(task_id, held.leaseOwner, 1)
+        assert not outcomes.complete(q, task_id, held.leaseOwner, 1)
 
 
 @pytest.mark.parametrize("state", ["leased", "expired", "waiting", "yielded"])
 def test_free_breaks_a_lease_and_the_task_is_due_at_once(q, state):
     task_id = make_task(q, state)
     failures = active_row(q, task_id).failureCount
-    [result] = q.free(TaskFilter(ids=[task_id]))
+    [result] = OperatorActions(q).free(TaskFilter(ids=[task_id]))
     assert result.done
     row = active_row(q, task_id)
     assert row.leaseOwner is None and row.failureCount == failures
@@ -581,19 +587,19 @@ def test_free_breaks_a_lease_and_the_task_is_due_at_once(q, state):
 def test_delay_holds_an_unleased_task_until_the_given_time(q, state):
     task_id = make_task(q, state)
     until = now(q) + 7 * 86400
-    [result] = q.delay(TaskFilter(ids=[task_id]), until)
+    [result] = OperatorActions(q).delay(TaskFilter(ids=[task_id]), until)
     assert result.done
     assert active_row(q, task_id).leaseExpires == until
     assert q.get(task_id).state is State.DELAYED
     expect_next_lease(q, None)
     with pytest.raises(ValueError):
-        q.delay(TaskFilter(ids=[task_id]), -1)
+        OperatorActions(q).delay(TaskFilter(ids=[task_id]), -1)
 
 
 def test_priority_reorders_active_tasks(q):
     leased = make_task(q, "leased")
     first, second = q.enqueue(WORKER), q.enqueue(WORKER)
-    results = q.set_priority(TaskFilter(ids=[second, leased]), 1000)
+    results = OperatorActions(q).set_priority(TaskFilter(ids=[second, leased]), 1000)
     assert sorted((r.id, r.done) for r in results) == [(leased, True), (second, True)]
     assert active_row(q, leased).priority == 1000
     expect_next_lease(q, second)
@@ -605,7 +611,7 @@ def test_priority_must_be_a_positive_integer(q, priority):
     task_id = q.enqueue(WORKER)
     before = snapshot(q)
     with pytest.raises(ValueError):
-        q.set_priority(TaskFilter(ids=[task_id]), priority)
+        OperatorActions(q).set_priority(TaskFilter(ids=[task_id]), priority)
     assert snapshot(q) == before
 
 
@@ -619,7 +625,7 @@ def test_retry_requeues_an_archived_task_under_its_own_id(q, state, repeat):
     archived = archive_row(q, task_id)
     ids_taken = counter(q)
 
-    [result] = q.retry(TaskFilter(ids=[task_id]), repeat=repeat)
+    [result] = OperatorActions(q).retry(TaskFilter(ids=[task_id]), repeat=repeat)
 
     assert result.done
     row = active_row(q, task_id)
@@ -653,7 +659,7 @@ def catalog(q) -> dict[str, int]:
         "ClassB", priority=3000, object_phid="PHID-OBJ-1", container_phid="PHID-REPO-2"
     )
     tasks["b2"] = q.enqueue("ClassB", {"b": 2}, priority=4000)
-    assert q.cancel(TaskFilter(ids=[tasks["b2"]]))[0].done
+    assert OperatorActions(q).cancel(TaskFilter(ids=[tasks["b2"]]))[0].done
     update_active(q, tasks["a2"], failureCount=2)
     update_active(q, tasks["b1"], failureCount=5)
     return tasks
@@ -667,9 +673,9 @@ def catalog(q) -> dict[str, int]:
         ({"classes": ["ClassB"]}, ["b1", "b2"]),
         ({"active": True}, ["b1", "a2", "a1"]),
         ({"archived": True}, ["b2", "a3"]),
-        ({"containerPHIDs": ["PHID-REPO-1"]}, ["a2", "a1"]),
-        ({"objectPHIDs": ["PHID-OBJ-1"]}, ["b1", "a1"]),
-        ({"objectPHIDs": ["PHID-OBJ-1", "PHID-OBJ-2"], "archived": True}, []),
+        ({"container_phids": ["PHID-REPO-1"]}, ["a2", "a1"]),
+        ({"object_phids": ["PHID-OBJ-1"]}, ["b1", "a1"]),
+        ({"object_phids": ["PHID-OBJ-1", "PHID-OBJ-2"], "archived": True}, []),
         ({"min_failure_count": 1}, ["b1", "a2"]),
         ({"max_failure_count": 0}, ["a1", "b2", "a3"]),
         ({"min_failure_count": 2, "max_failure_count": 2}, ["a2"]),
@@ -691,7 +697,7 @@ def test_list_selects_as_bin_worker(q, catalog, selector, expected):
 
 def test_get_reads_active_and_archived_tasks(q, catalog):
     a1 = q.get(catalog["a1"])
-    assert (a1.taskClass, a1.priority, a1.objectPHID, a1.containerPHID) == (
+    assert (a1.task_class, a1.priority, a1.object_phid, a1.container_phid) == (
         "ClassA",
         1000,
         "PHID-OBJ-1",
@@ -742,7 +748,7 @@ def test_stats_count_each_class_and_state(q):
             "archived-cancelled": 1,
         },
     }
-    assert_now(q, stats.serverTime)
+    assert_now(q, stats.server_time)
     assert 500 <= stats.oldest_queued_age <= 502
     assert (stats.total("queued"), stats.total("leased")) == (2, 2)
 
@@ -796,9 +802,9 @@ def test_task_ids_continue_phps_lisk_counter(q):
 # -- bad input: a ValueError before anything is written ------------------------------------
 
 BAD_TASKS = {
-    "empty class": {"taskClass": ""},
-    "class of 65 characters": {"taskClass": "C" * 65},
-    "class not a string": {"taskClass": None},
+    "empty class": {"task_class": ""},
+    "class of 65 characters": {"task_class": "C" * 65},
+    "class not a string": {"task_class": None},
     "priority 0": {"priority": 0},
     "priority -1": {"priority": -1},
     "priority '5'": {"priority": "5"},
@@ -808,7 +814,7 @@ BAD_TASKS = {
     "data NaN": {"data": {"x": float("nan")}},
     "data infinity": {"data": [float("inf")]},
     "data an object": {"data": object()},
-    "negative delay": {"delayUntil": -5},
+    "negative delay": {"delay_until": -5},
 }
 
 
@@ -816,11 +822,11 @@ BAD_TASKS = {
 def test_bad_task_is_refused_before_anything_is_written(q, bad):
     q.enqueue(WORKER, {"existing": True})
     before = snapshot(q)
-    task = NewTask(**{"taskClass": WORKER, "data": {"ok": 1}, **bad})
+    task = NewTask(**{"task_class": WORKER, "data": {"ok": 1}, **bad})
     with pytest.raises(ValueError):
         q.enqueue_many([NewTask(WORKER, {"good": 1}), task])  # not even the good one
     with pytest.raises(ValueError):
-        q.enqueue(task.taskClass, task.data, priority=task.priority, delay_until=task.delayUntil)
+        q.enqueue(task.task_class, task.data, priority=task.priority, delay_until=task.delay_until)
     assert snapshot(q) == before
 
 
@@ -839,22 +845,27 @@ def test_a_phid_over_64_bytes_is_refused_before_anything_is_written(q):
     assert snapshot(q) == before
 
 
-@pytest.mark.parametrize("owner", ["o" * 65, "", YIELD_OWNER, None])
-def test_a_bad_owner_is_refused_before_anything_is_written(q, owner):
+@pytest.mark.parametrize("prefix", ["o" * 65, "o" * 64], ids=["65-characters", "64-characters"])
+def test_a_bad_owner_is_refused_before_anything_is_written(q, prefix):
+    # The lease mints its owner "prefix:pid:time:host:sequence" into a varchar(64): a
+    # prefix that leaves no room for the rest would make a bad owner.
     q.enqueue(WORKER)
     before = snapshot(q)
     with pytest.raises(ValueError):
-        q.lease(1, owner)
+        q.lease(1, owner_prefix=prefix)
     assert snapshot(q) == before
-    assert len(q.lease(1, "o" * 64)) == 1  # 64 characters is fine
+    # The longest prefix the settings accept is fine: the host name is cut to fit.
+    [task] = q.lease(1, owner_prefix="o" * MAX_OWNER_PREFIX)
+    assert task.lease_owner.startswith("o" * MAX_OWNER_PREFIX + ":")
+    assert len(task.lease_owner) <= 64
 
 
 @pytest.mark.parametrize(
     "call",
     [
-        lambda q, t: q.renew(t.id, t.leaseOwner, 0),
-        lambda q, t: q.complete(t.id, t.leaseOwner, -1),
-        lambda q, t: q.lease(1, new_owner("test"), 0),
+        lambda q, t: outcomes.renew(q, t.id, t.lease_owner, 0),
+        lambda q, t: outcomes.complete(q, t.id, t.lease_owner, -1),
+        lambda q, t: q.lease(1, 0, owner_prefix="test"),
     ],
     ids=["zero-renew", "negative-duration", "zero-lease"],
 )
@@ -871,13 +882,13 @@ def test_negative_waits_and_yields_are_applied_as_phorge_applies_them(q):
     """Phorge's testTooManyTaskFailures retries with -60: the lease expired a minute ago,
     so the task is due at once; a yield lasts at least 5 s, however short it asks."""
     failed, yielded = leased_task(q), leased_task(q)
-    assert q.fail_temporary(failed.id, failed.leaseOwner, -60)
-    assert q.yield_(yielded.id, yielded.leaseOwner, -60)
+    assert outcomes.fail_temporary(q, failed.id, failed.lease_owner, -60)
+    assert outcomes.yield_(q, yielded.id, yielded.lease_owner, -60)
     now = q.server_time()
-    assert q.get(failed.id).leaseExpires - now in (-60, -61)
-    assert q.get(yielded.id).leaseExpires - now in (5, 4)
-    [again] = q.lease(1, new_owner("test"), ids=[failed.id])
-    assert (again.id, again.failureCount) == (failed.id, 1)
+    assert q.get(failed.id).lease_expires - now in (-60, -61)
+    assert q.get(yielded.id).lease_expires - now in (5, 4)
+    [again] = q.lease(1, owner_prefix="test", ids=[failed.id])
+    assert (again.id, again.failure_count) == (failed.id, 1)
 
 
 # -- payloads: any JSON value, exactly, as PHP reads it ------------------------------------
@@ -899,8 +910,8 @@ def test_negative_waits_and_yields_are_applied_as_phorge_applies_them(q):
 def test_payloads_round_trip_exactly(q, data, stored):
     task_id = q.enqueue(WORKER, data)
     assert data_text(q, task_id) == stored
-    [task] = q.lease(1, new_owner("test"))
-    assert task.data == data and task.dataError is None
+    [task] = q.lease(1, owner_prefix="test")
+    assert task.data == data and task.data_error is None
     assert type(task.data) is type(data)
     assert q.get(task_id).data == data
 
@@ -912,16 +923,16 @@ def test_a_corrupt_data_row_is_reported_on_that_task(q):
         conn.execute(update(taskdata).where(taskdata.c.id == bad_id).values(data='{"n": '))
         conn.execute(taskdata.delete().where(taskdata.c.id == orphan_id))
 
-    tasks = {t.id: t for t in q.lease(10, new_owner("test"))}
+    tasks = {t.id: t for t in q.lease(10, owner_prefix="test")}
 
     assert sorted(tasks) == [good, corrupt, orphan, last]
-    assert (tasks[corrupt].data, tasks[corrupt].rawData) == (None, '{"n": ')
-    assert "JSON" in tasks[corrupt].dataError
-    assert tasks[orphan].data is None and "missing" in tasks[orphan].dataError
-    assert [(tasks[i].data, tasks[i].dataError) for i in (good, last)] == [
+    assert (tasks[corrupt].data, tasks[corrupt].raw_data) == (None, '{"n": ')
+    assert "JSON" in tasks[corrupt].data_error
+    assert tasks[orphan].data is None and "missing" in tasks[orphan].data_error
+    assert [(tasks[i].data, tasks[i].data_error) for i in (good, last)] == [
         ({"n": 0}, None),
         ({"n": 3}, None),
     ]
-    assert q.get(corrupt).dataError == tasks[corrupt].dataError
+    assert q.get(corrupt).data_error == tasks[corrupt].data_error
     with q.engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(taskdata)).scalar() == 3

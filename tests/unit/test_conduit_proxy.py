@@ -269,7 +269,7 @@ def test_a_followup_priority_the_queue_refuses_falls_back_to_the_parents(
     task, _, error = run_against(reply)
     assert error is None
     # None: the parent's priority, filled in when the follow-up is written.
-    assert [(f.taskClass, f.priority) for f in task.followups] == [("Child", None)]
+    assert [(f.task_class, f.priority) for f in task.followups] == [("Child", None)]
     assert "gets the default priority instead of 0" in caplog.text
     assert any(r.levelno == logging.ERROR and "skipped" in r.getMessage() for r in caplog.records)
 

@@ -188,7 +188,8 @@ def test_the_longest_accepted_owner_prefix_still_makes_owners(monkeypatch):
     longest = next(n for n in range(64, 0, -1) if _accepted({"BRIDGE_OWNER_PREFIX": "x" * n}))
     monkeypatch.setattr("os.getpid", lambda: 4_194_304)  # Linux's largest pid
     monkeypatch.setattr("bridge.queue.model._owner_sequence", iter([10**9]))
-    assert new_owner("x" * longest).startswith("x" * longest + ":4194304:")
+    widest_epoch = 9_999_999_999  # the database clock, as wide as it gets until 2286
+    assert new_owner("x" * longest, widest_epoch).startswith("x" * longest + ":4194304:")
 
 
 def _accepted(env: dict[str, str]) -> bool:

@@ -26,7 +26,7 @@ SETTINGS = load_settings(
 
 def test_due_rows_count_for_their_queue_and_the_control_queue_only_when_served():
     stats = QueueStats(
-        serverTime=0,
+        server_time=0,
         by_class={
             "SearchWorker": {"queued": 2, "expired": 1, "leased": 5},
             "MailWorker": {"queued": 4, "delayed": 3},

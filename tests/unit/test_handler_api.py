@@ -42,7 +42,12 @@ def test_the_context_shows_phorges_fields_and_keeps_the_stored_json_internal():
     ctx = context(object_phid="PHID-TASK-1", raw_data='{"a":1}')
     assert (ctx.object_phid, ctx.container_phid) == ("PHID-TASK-1", None)
     assert stored_data(ctx) == '{"a":1}'
-    assert "raw" not in repr(ctx) and not hasattr(ctx, "lease_owner")
+    assert "raw" not in repr(ctx)
+    # The lease owner is only what the run was given (issue 23): none here, so the
+    # idempotency key names no lease; given one, the key is the task's and the lease's.
+    assert ctx.lease_owner is None
+    leased = context(lease_owner="bridge:1:1700000000:h:1")
+    assert leased.idempotency_key == "phorge-task:1:bridge:1:1700000000:h:1"
 
 
 @pytest.mark.parametrize(
@@ -106,7 +111,7 @@ class Scripted(Handler):
     ("handler_", "outcome", "delay", "reason"),
     [
         (Scripted(), Outcome.SUCCESS, None, ""),
-        (Scripted(Yield(30)), Outcome.YIELD, 30, ""),
+        (Scripted(Yield(delay=30)), Outcome.YIELD, 30, ""),
         (Scripted(PermanentFailure("bad data")), Outcome.PERMANENT_FAILURE, None, "bad data"),
         (Scripted(PermanentFailure()), Outcome.PERMANENT_FAILURE, None, "PermanentFailure"),
         (Scripted(TemporaryFailure("down", delay=90), wait=10), Outcome.FAILURE, 90, "down"),

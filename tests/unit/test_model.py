@@ -85,31 +85,32 @@ def test_seconds_minimum():
 
 def test_new_task_defaults_are_phorges():
     task, text = NewTask("PhabricatorSearchWorker", {"a": 1}).validated()
-    assert (task.priority, task.delayUntil, task.objectPHID, text) == (2000, None, None, '{"a":1}')
+    fields = (task.priority, task.delay_until, task.object_phid, text)
+    assert fields == (2000, None, None, '{"a":1}')
 
 
 @pytest.mark.parametrize(
     "fields",
     [
-        {"taskClass": ""},
+        {"task_class": ""},
         {"priority": 0},
         {"data": {1}},
-        {"delayUntil": -1},
-        {"delayUntil": "tomorrow"},
-        {"objectPHID": "P" * 65},
-        {"containerPHID": b"PHID-REPO-1"},
+        {"delay_until": -1},
+        {"delay_until": "tomorrow"},
+        {"object_phid": "P" * 65},
+        {"container_phid": b"PHID-REPO-1"},
     ],
 )
 def test_new_task_validated_refuses_bad_fields(fields):
     with pytest.raises(ValueError):
-        NewTask(**{"taskClass": "W", **fields}).validated()
+        NewTask(**{"task_class": "W", **fields}).validated()
 
 
 # -- owners --------------------------------------------------------------------------------
 
 
 def test_new_owner_is_unique_and_fits_the_column():
-    owners = {new_owner() for _ in range(1000)}
+    owners = {new_owner("bridge", NOW) for _ in range(1000)}
     assert len(owners) == 1000
     assert all(len(owner) <= 64 and owner.startswith("bridge:") for owner in owners)
 
@@ -120,8 +121,7 @@ def test_new_owner_stays_unique_with_a_long_prefix_and_host(monkeypatch):
     # owner and each one's final read returns the other's rows.
     monkeypatch.setattr(model.socket, "gethostname", lambda: "h" * 40)
     monkeypatch.setattr(model.os, "getpid", lambda: 4194304)
-    monkeypatch.setattr(model.time, "time", lambda: 1764460000.0)
-    owners = [new_owner("p" * 24) for _ in range(3)]
+    owners = [new_owner("p" * 24, 1764460000) for _ in range(3)]
     assert all(len(owner) <= 64 for owner in owners)
     assert len(set(owners)) == 3, owners
 
@@ -163,25 +163,26 @@ def test_classify(owner, expires, failure_time, state):
 def _task(**fields) -> Task:
     row = {
         "id": 7,
-        "taskClass": "PhabricatorSearchWorker",
-        "leaseOwner": None,
-        "leaseExpires": None,
-        "failureCount": 0,
-        "dataID": 3,
+        "task_class": "PhabricatorSearchWorker",
+        "lease_owner": None,
+        "lease_expires": None,
+        "failure_count": 0,
+        "data_id": 3,
         "priority": 2000,
-        "objectPHID": None,
-        "containerPHID": None,
-        "dateCreated": NOW,
-        "dateModified": NOW,
-        "serverTime": NOW,
+        "object_phid": None,
+        "container_phid": None,
+        "date_created": NOW,
+        "date_modified": NOW,
+        "server_time": NOW,
     }
     return Task(**{**row, **fields})
 
 
 def test_task_state_is_judged_by_the_database_clock():
-    task = _task(leaseOwner="o", leaseExpires=NOW + 60)
+    task = _task(lease_owner="o", lease_expires=NOW + 60)
     assert task.state is State.LEASED  # whatever this host's clock says
-    assert _task(leaseOwner="o", leaseExpires=NOW + 60, serverTime=NOW + 61).state is State.EXPIRED
+    later = _task(lease_owner="o", lease_expires=NOW + 60, server_time=NOW + 61)
+    assert later.state is State.EXPIRED
     assert _task(archived=True, result=0).state is State.ARCHIVED
     assert _task().label == "PhabricatorSearchWorker#7"
 
@@ -216,8 +217,8 @@ def test_task_filter_accepts_equal_bounds():
         {"classes": ["W"]},
         {"active": True},
         {"archived": True},
-        {"containerPHIDs": ["PHID-REPO-1"]},
-        {"objectPHIDs": ["PHID-TASK-1"]},
+        {"container_phids": ["PHID-REPO-1"]},
+        {"object_phids": ["PHID-TASK-1"]},
         {"min_failure_count": 0},
         {"max_failure_count": 0},
         {"min_priority": 1},

@@ -14,7 +14,7 @@ from sqlalchemy import select, update
 from threads import run_together
 
 from bridge.queue import PhorgeQueue, make_engine
-from bridge.queue.model import NewTask, new_owner
+from bridge.queue.model import NewTask
 from bridge.queue.schema import lisk_counter
 from bridge.queue.schema import worker_activetask as active
 
@@ -62,8 +62,10 @@ def test_concurrent_leasers_never_win_the_same_row(queues):
 
     def leaser(queue: PhorgeQueue):
         won = []
-        while tasks := queue.lease(10, owner := new_owner("leaser"), 600):
-            won += [(t.id, owner) for t in tasks]
+        while tasks := queue.lease(10, 600, owner_prefix="leaser"):
+            owners = {t.lease_owner for t in tasks}
+            assert len(owners) == 1, owners  # one lease, one owner
+            won += [(t.id, t.lease_owner) for t in tasks]
         return won
 
     leases = [

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from bridge.runtime.tracing import (
+from bridge.engine.tracing import (
     TaskLogFilter,
     TaskTrace,
     new_traceparent,

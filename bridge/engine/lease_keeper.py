@@ -12,9 +12,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from bridge.engine.metrics import RENEWALS
 from bridge.queue import Lease, PhorgeQueue
 from bridge.queue.retry import DatabaseUnavailable
-from bridge.runtime.metrics import RENEWALS
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class Watch:
     length: int  # seconds a renewal asks for
     deadline: float  # monotonic time after which the budget is spent
     next_renewal: float
+    expires: float  # monotonic time the lease runs out, as last set
     lost: bool = False
 
     def __enter__(self) -> Watch:
@@ -53,8 +54,9 @@ class LeaseKeeper:
         """Keep ``lease`` renewed (``length`` seconds at a time) for at most ``budget``
         seconds, while ``with keeper.watch(...) as watch:`` runs."""
         now = time.monotonic()
+        expires = now + length
         length = max(length, 3)
-        return Watch(self, lease, label, length, now + budget, now + length / 3)
+        return Watch(self, lease, label, length, now + budget, now + length / 3, expires)
 
     def _add(self, watch: Watch) -> None:
         with self._lock:
@@ -86,13 +88,16 @@ class LeaseKeeper:
             watch.next_renewal = float("inf")
             log.warning("%s ran past its lease budget; the lease will expire", watch.label)
             return
+        seconds = min(watch.length, left)
         try:
-            renewed = self.queue.session.renew(watch.lease, min(watch.length, left))
+            renewed = self.queue.session.renew(watch.lease, seconds)
         except DatabaseUnavailable as exc:
             RENEWALS.labels(result="error").inc()
             log.warning("%s: heartbeat failed, will retry: %s", watch.label, exc)
             return
         RENEWALS.labels(result="renewed" if renewed else "lost").inc()
+        if renewed:
+            watch.expires = now + seconds
         if not renewed:
             watch.lost, watch.next_renewal = True, float("inf")
             log.warning("%s: lease lost while running; its result will be dropped", watch.label)

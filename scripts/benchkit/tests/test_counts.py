@@ -13,18 +13,18 @@ from sqlalchemy import Engine
 
 from bridge.queue import make_engine
 
-pytestmark = pytest.mark.mariadb
+pytestmark = pytest.mark.mariadb  # tests/conftest.py marks only by its own fixtures
 
 
 @pytest.fixture
-def counted(monkeypatch, mysql_engine: Engine):
+def counted(monkeypatch, mysql_database: Engine):
     """A bridge-configured DBAPI connection with the bench's counters installed (and
     MySQLdb's own methods back afterwards)."""
     for name in ("query", "commit", "rollback", "ping", "autocommit"):
         monkeypatch.setattr(Connection, name, getattr(Connection, name))
     monkeypatch.setattr(BaseCursor, "execute", BaseCursor.execute)
     hook._count_database_requests()
-    engine = make_engine(mysql_engine.url.render_as_string(hide_password=False))
+    engine = make_engine(mysql_database.url.render_as_string(hide_password=False))
     raw = engine.raw_connection()
     yield raw.dbapi_connection
     raw.close()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from functools import cache
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +25,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from bridge.handlers.breaker import CircuitBreaker
+
+if TYPE_CHECKING:
+    from bridge.queue.phorge_queue import PhorgeQueue
 
 DISPATCHED = Counter(
     "phorge_bridge_dispatched_total", "Tasks leased and sent to Celery", ["queue", "task_class"]
@@ -67,6 +72,13 @@ CONDUIT_BREAKER_OPEN = Gauge(
 )
 
 
+WRITES_REFUSED = Gauge(
+    "phorge_bridge_database_writes_refused",
+    "1 while the database refuses this worker's writes (read-only, full): no task starts",
+    multiprocess_mode="livemax",
+)
+
+
 def watch_breaker(breaker: CircuitBreaker) -> None:
     """Show ``breaker``'s state in :data:`CONDUIT_BREAKER_OPEN`."""
     CONDUIT_BREAKER_OPEN.set(int(breaker.is_open))
@@ -76,10 +88,10 @@ def watch_breaker(breaker: CircuitBreaker) -> None:
 class QueueCollector:
     """Gauges of the Phorge queue per class and state, read at each scrape."""
 
-    def __init__(self, queue) -> None:
+    def __init__(self, queue: PhorgeQueue) -> None:
         self.queue = queue
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         stats = self.queue.stats()
         tasks = GaugeMetricFamily(
             "phorge_bridge_queue_tasks",
@@ -97,7 +109,7 @@ class QueueCollector:
         yield age
 
 
-def serve(ports: range, address: str, queue, *collectors: Collector) -> int | None:
+def serve(ports: range, address: str, queue: PhorgeQueue, *collectors: Collector) -> int | None:
     """Expose metrics (aggregated over prefork children when multiprocess mode is on),
     the queue's gauges and ``collectors``' (read in this process at each scrape), on the
     first free port of ``ports``; returns it, or None when every one is taken."""

@@ -10,11 +10,11 @@ import os
 from dataclasses import dataclass, field
 
 from bridge.config import Settings, current_settings
-from bridge.handlers.conduit_proxy import ConduitProxyHandler
+from bridge.engine.lease_keeper import LeaseKeeper
+from bridge.engine.metrics import watch_breaker
+from bridge.engine.writes import WriteGate
 from bridge.handlers.registry import Registry, build_registry
 from bridge.queue import PhorgeQueue
-from bridge.runtime.lease_keeper import LeaseKeeper
-from bridge.runtime.metrics import watch_breaker
 
 
 @dataclass
@@ -23,9 +23,11 @@ class Runtime:
     queue: PhorgeQueue
     registry: Registry
     keeper: LeaseKeeper = field(init=False)
+    writes: WriteGate = field(init=False)
 
     def __post_init__(self) -> None:
         self.keeper = LeaseKeeper(self.queue)
+        self.writes = WriteGate(self.queue.probe_writes)
 
 
 def build_runtime(settings: Settings) -> Runtime:
@@ -34,8 +36,9 @@ def build_runtime(settings: Settings) -> Runtime:
         # The embedded default starts from nothing; Phorge's MySQL tables are Phorge's.
         queue.create_tables()
     registry = build_registry(settings)
-    if isinstance(registry.fallback, ConduitProxyHandler):
-        watch_breaker(registry.fallback.breaker)
+    for handler in registry.handlers():
+        if handler.breaker is not None:
+            watch_breaker(handler.breaker)
     return Runtime(settings, queue, registry)
 
 

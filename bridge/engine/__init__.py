@@ -1,0 +1,9 @@
+"""The engine: lease, run and report Phorge tasks, with no Celery in sight.
+
+``context`` builds the per-process runtime (queue, registry, lease keeper), ``poll``
+plans and leases a poll, ``run`` runs one leased task, ``batch`` runs a message's tasks
+and writes their outcomes, ``lease_keeper``, ``tracing`` and ``metrics`` serve them.
+The Celery tasks in ``bridge.runtime`` are thin wrappers around it, and the CLI and
+the benchmark use it directly. Importing it reads no environment: settings are read
+when the first runtime is built, or passed in.
+"""

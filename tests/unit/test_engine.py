@@ -1,0 +1,82 @@
+"""The engine (``bridge.engine``) without Celery: importable anywhere, run with the
+settings it is given, observable through its public hook."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from bridge.config import load_settings
+from bridge.engine.batch import run_task
+from bridge.engine.context import build_runtime
+from bridge.engine.run import Ran, RunObserver, observe
+from bridge.queue import Lease, Outcome
+from bridge.queue.model import Leased
+
+HOSTILE = {
+    "BRIDGE_POLL_INTERVAL": "abc",
+    "BRIDGE_DATABASE_URL": "not a url",
+    "BRIDGE_NO_SUCH_SETTING": "1",
+}
+
+
+def test_the_engine_imports_and_runs_in_a_hostile_environment_without_celery(tmp_path: Path):
+    """Importing the engine reads no environment: a caller's own settings are enough."""
+    program = textwrap.dedent(
+        f"""
+        import sys
+        from bridge.engine import batch, context, poll, run, writes
+        from bridge.config import load_settings
+        assert "celery" not in sys.modules and "kombu" not in sys.modules, "Celery loaded"
+        settings = load_settings({{"BRIDGE_DATABASE_URL": "sqlite:///{tmp_path}/q.db"}})
+        rt = context.build_runtime(settings)
+        rt.queue.enqueue("PhabricatorTestWorker", {{}})
+        [task] = rt.queue.lease(1, 60)
+        print(batch.run_task(rt, task.lease).outcome)
+        assert "celery" not in sys.modules, "Celery loaded by a run"
+        """
+    )
+    env = {**os.environ, **HOSTILE}
+    done = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "success"
+
+
+class Recorder(RunObserver):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, str]] = []
+
+    def run_started(self, lease: Lease) -> None:
+        self.events.append(("started", lease.task_id, lease.owner))
+
+    def run_ended(self, item: Leased, ran: Ran) -> None:
+        self.events.append(("ended", item.id, ran.outcome.value))
+
+
+def test_an_observer_hears_each_run_start_and_end(tmp_path: Path):
+    rt = build_runtime(load_settings({"BRIDGE_DATABASE_URL": f"sqlite:///{tmp_path}/q.db"}))
+    ok = rt.queue.enqueue("PhabricatorTestWorker", {})
+    failing = rt.queue.enqueue("PhabricatorTestWorker", {"doWork": "fail-permanent"})
+    tasks = {t.id: t for t in rt.queue.lease(2, 60)}
+    recorder = Recorder()
+    remove = observe(recorder)
+    try:
+        assert run_task(rt, tasks[ok].lease).outcome is Outcome.SUCCESS
+        assert run_task(rt, tasks[failing].lease).outcome is Outcome.PERMANENT_FAILURE
+    finally:
+        remove()
+    assert recorder.events == [
+        ("started", ok, tasks[ok].lease_owner),
+        ("ended", ok, "success"),
+        ("started", failing, tasks[failing].lease_owner),
+        ("ended", failing, "permanent-failure"),
+    ]
+    again = rt.queue.enqueue("PhabricatorTestWorker", {})
+    [task] = rt.queue.lease(1, 60, ids=[again])
+    run_task(rt, task.lease)
+    assert len(recorder.events) == 4, "a removed observer hears nothing"
