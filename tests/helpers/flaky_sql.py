@@ -15,7 +15,9 @@ def database_blip() -> Exception:
     return MySQLdb.OperationalError(2013, "Lost connection to server during query")
 
 
-def flaky(method: Callable[..., Any], failures: int, error: Callable[[], Exception]) -> Any:
+def flaky(
+    method: Callable[..., Any], failures: int, error: Callable[[], Exception] = database_blip
+) -> Any:
     """``method``, raising ``error()`` on its first ``failures`` calls."""
     calls = {"n": 0}
 

@@ -18,6 +18,7 @@ import MySQLdb
 import pytest
 from bad_rows import corrupt_data
 from celery.exceptions import Retry
+from flaky_sql import flaky, flaky_statement
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, event, select, update
 
@@ -179,37 +180,6 @@ class SessionCost:
 
 def renewals(result: str) -> float:
     return REGISTRY.get_sample_value("phorge_bridge_lease_renewals_total", {"result": result}) or 0
-
-
-def database_blip() -> Exception:
-    return MySQLdb.OperationalError(2013, "Lost connection to server during query")
-
-
-def flaky(method: Callable, failures: int, error: Callable[[], Exception] = database_blip):
-    """``method``, raising ``error()`` on its first ``failures`` calls."""
-    calls = {"n": 0}
-
-    def call(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] <= failures:
-            raise error()
-        return method(*args, **kwargs)
-
-    return call
-
-
-def flaky_statement(
-    monkeypatch, statement, failures: int, error: Callable[[], Exception] = database_blip
-) -> None:
-    """The session's ``statement`` fails (by default with a database blip) on its first
-    ``failures`` runs."""
-    compile_ = flaky(LeaseSession._compile, failures, error)
-    original = LeaseSession._compile
-    monkeypatch.setattr(
-        LeaseSession,
-        "_compile",
-        lambda self, s: compile_(self, s) if s is statement else original(self, s),
-    )
 
 
 # -- success and its cost ------------------------------------------------------------------
