@@ -295,7 +295,11 @@ class LeaseSession:
         """Archive with result 0, with the follow-ups in the same transaction."""
         if followups:
             check_seconds("duration", duration_us, maximum=MAX_UINT64)
-            return self._write_followups(lease, duration_us, followups)
+            # A fence found gone may be this very write's, its COMMIT lost with its
+            # connection: the row tells (a read on the rare lost-lease path only).
+            return self._write_followups(lease, duration_us, followups) or self.written(
+                success(lease, duration_us)
+            )
         return self.apply([success(lease, duration_us)])[0]
 
 

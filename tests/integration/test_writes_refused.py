@@ -34,7 +34,7 @@ from bridge.handlers.api import Handler, PermanentFailure, TaskContext, Temporar
 from bridge.handlers.registry import Registry
 from bridge.queue import Outcome, PhorgeQueue, Task, make_engine
 from bridge.queue import statements as sql
-from bridge.queue.model import YIELD_OWNER, Leased, NewTask
+from bridge.queue.model import YIELD_OWNER, Leased, NewTask, TaskFilter
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 
@@ -424,3 +424,30 @@ def test_doctor_says_the_database_refuses_writes(account, read_only, amqp_url, m
     assert checks["database writes"]["status"] == "fail"
     assert "read-only or full" in checks["database writes"]["detail"]
     assert READ_ONLY_ERROR in checks["database writes"]["detail"]
+
+
+def test_a_success_with_follow_ups_committed_as_its_connection_died_is_found(
+    rt, probe, mysql_server, monkeypatch
+):
+    """The follow-ups' transaction (through SQLAlchemy) commits, then its connection is
+    killed before the client hears: the retry finds the fence gone, the row says it was
+    this outcome, and the follow-up exists once."""
+    [task] = lease(rt)
+    probe.behaviour = lambda ctx: ctx.queue_task("FollowUpWorker", {"n": 1})
+    original = MySQLdb.connections.Connection.commit
+    killed: list[int] = []
+
+    def commit(self: Any) -> None:
+        original(self)
+        if not killed:
+            killed.append(self.thread_id())
+            with mysql_server.connect() as conn:
+                conn.exec_driver_sql(f"KILL CONNECTION {killed[0]}")
+            raise MySQLdb.OperationalError(2013, "Lost connection to server during query")
+
+    monkeypatch.setattr(MySQLdb.connections.Connection, "commit", commit)
+    ran = run_task(rt, task.lease)
+    assert killed
+    assert ran.outcome is Outcome.SUCCESS, ran
+    assert len(archived(rt, task.id)) == 1
+    assert [t.task_class for t in rt.queue.list(TaskFilter(active=True))] == ["FollowUpWorker"]
