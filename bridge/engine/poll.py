@@ -9,7 +9,8 @@ so throughput is not capped at ``max_inflight / poll_interval``.
 
 Sending is the caller's (:class:`Send`): the Celery runtime publishes messages, the
 benchmark's SQL loop runs them in process. While the database refuses writes the lease
-is refused too: the poll leases nothing, and the write gate logs it once.
+is refused too: the write gate closes (logged once), and each poll then only probes
+until writes are accepted again, so the gate of an idle worker reopens too.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def poll_once(rt: Runtime, send: Send) -> int:
     with rt.queue.poll_lock(settings.owner_prefix) as now:
         if now is None:
             return 0
+        if not rt.writes.is_open and not rt.writes.wait_open(0):
+            return 0  # one probe a poll while writes are refused: nothing to lease
         by_queue = plan(rt)
         # An idle queue (the usual case between bursts) skips the capacity count.
         held = rt.queue.held_by_class(settings.owner_prefix) if by_queue else {}
@@ -94,10 +97,8 @@ def poll_once(rt: Runtime, send: Send) -> int:
                     now=now,
                 )
             except WritesRefused as exc:
-                rt.writes.refused(exc)  # logged once; each poll tries again
+                rt.writes.refused(exc)  # logged once; each poll probes until it ends
                 return sent
-            if tasks and not rt.writes.is_open:
-                rt.writes.accepted()
             size = batch_size(in_flight + len(tasks), settings.batch_max)
             done = send(owner, tasks, queue, size, mark=len(tasks) >= max(1, limit // 2))
             if done < len(tasks):

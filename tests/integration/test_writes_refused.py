@@ -229,6 +229,20 @@ def test_the_poll_leases_nothing_while_writes_are_refused(rt, read_only, caplog)
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
 
 
+def test_an_idle_poll_reopens_the_gate_once_writes_return(rt, read_only):
+    """With nothing to lease, the poll's probe alone tells that writes are back, so an
+    idle worker's gauge does not stay at "refused"."""
+    rt.queue.enqueue(PROBE)
+    read_only(True)
+    assert poll_once(rt, lambda *args, **kwargs: 0) == 0
+    assert not rt.writes.is_open
+    read_only(False)
+    with rt.queue.engine.begin() as conn:  # nothing due any more
+        conn.execute(active.delete())
+    assert poll_once(rt, lambda *args, **kwargs: 0) == 0
+    assert rt.writes.is_open
+
+
 def test_a_message_waits_at_the_gate_and_runs_once_writes_return(rt, probe, read_only):
     """A task dispatched before the window, received while writes are refused, starts
     only once they are accepted again."""
