@@ -336,20 +336,20 @@ class Bridge:
         with self.engine.connect() as conn:
             return conn.execute(select(func.count()).select_from(table).where(*where)).scalar()
 
-    def archived(self, ids: list[int] | None = None) -> dict[int, Any]:
-        """Archive rows by id (only ``ids`` when given)."""
-        query = select(archive)
+    def rows(self, table: Any, ids: list[int] | None = None) -> dict[int, Any]:
+        """``table``'s rows by id (only ``ids`` when given)."""
+        query = select(table)
         if ids is not None:
-            query = query.where(archive.c.id.in_(ids))
+            query = query.where(table.c.id.in_(ids))
         with self.engine.connect() as conn:
             return {row.id: row for row in conn.execute(query)}
 
+    def archived(self, ids: list[int] | None = None) -> dict[int, Any]:
+        """Archive rows by id (only ``ids`` when given)."""
+        return self.rows(archive, ids)
+
     def active_rows(self, ids: list[int] | None = None) -> dict[int, Any]:
-        query = select(active)
-        if ids is not None:
-            query = query.where(active.c.id.in_(ids))
-        with self.engine.connect() as conn:
-            return {row.id: row for row in conn.execute(query)}
+        return self.rows(active, ids)
 
     def wait_archived(self, ids: list[int], timeout: float = 60) -> dict[int, Any]:
         """Wait until every task of ``ids`` is archived; returns their archive rows."""
