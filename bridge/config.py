@@ -112,6 +112,15 @@ def _seconds(raw: str) -> float:
     return value
 
 
+def _seconds_or_off(raw: str) -> float | None:
+    if raw.strip().lower() == "off":
+        return None
+    try:
+        return _seconds(raw)
+    except ValueError:
+        raise ValueError(f"expected a positive number of seconds or `off`, got {raw!r}") from None
+
+
 def _fraction(raw: str) -> float:
     try:
         value = float(raw)
@@ -227,7 +236,16 @@ class Settings:
         "BRIDGE_MAX_INFLIGHT",
         str(DEFAULT_MAX_INFLIGHT),
         _max_inflight,
-        "leases held at once per queue: `N` for every queue, or `N,queue=M,...`",
+        "most leases a queue holds at once (its pace may hold fewer, see "
+        "BRIDGE_DISPATCH_AHEAD): `N` for every queue, or `N,queue=M,...`",
+    )
+    dispatch_ahead: float | None = setting(
+        "BRIDGE_DISPATCH_AHEAD",
+        "0.25",
+        _seconds_or_off,
+        "seconds of work a queue dispatches ahead of its workers (its measured pace), so "
+        "a backlog waits in the database in priority order; `off`: up to "
+        "BRIDGE_MAX_INFLIGHT",
     )
     dispatch_lease: int = setting(
         "BRIDGE_DISPATCH_LEASE",

@@ -1,11 +1,13 @@
-"""One poll of Phorge's queue: lease due rows per Celery queue, up to its free capacity.
+"""One poll of Phorge's queue: lease due rows per Celery queue, up to its in-flight target.
 
-Each queue leases only up to its own free capacity (``max_inflight`` minus the leases
-the bridge holds for its classes), so a flood in one queue never starves another. One
-poll runs at a time (a database lock; an overlapping poll returns at once), so two
-polls never both fill the same capacity. A full dispatch marks its middle message: when
-that message has run, half the capacity is free and the worker asks for a poll at once,
-so throughput is not capped at ``max_inflight / poll_interval``.
+Each queue leases only up to its own target (its measured pace, see
+:mod:`bridge.engine.pace`, at most ``max_inflight``, minus the leases the bridge holds
+for its classes), so a flood in one queue never starves another, and a backlog waits in
+the database in Phorge's priority order rather than in the broker's. One poll runs at a
+time (a database lock; an overlapping poll returns at once), so two polls never both
+fill the same capacity. A dispatch of half the target or more marks its middle message:
+when that message has run, the worker asks for a poll at once, so throughput is not
+capped at ``target / poll_interval``.
 
 Sending is the caller's (:class:`Send`): the Celery runtime publishes messages, the
 benchmark's SQL loop runs them in process. While the database refuses writes the lease
@@ -20,8 +22,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from bridge.engine.context import Runtime
+from bridge.engine.pace import WINDOW, Pace, in_flight_target
 from bridge.handlers.api import Handler
-from bridge.queue.model import Leased
+from bridge.queue.model import Held, Leased
 from bridge.queue.retry import WritesRefused
 
 SPREAD = 32
@@ -78,32 +81,61 @@ def poll_once(rt: Runtime, send: Send) -> int:
         if not rt.writes.is_open and not rt.writes.wait_open(0):
             return 0  # one probe a poll while writes are refused: nothing to lease
         by_queue = plan(rt)
+        served = [c for classes in by_queue.values() for c in classes]
         # An idle queue (the usual case between bursts) skips the capacity count.
-        held = rt.queue.held_by_class(settings.owner_prefix) if by_queue else {}
+        held = rt.queue.held_by_class(settings.owner_prefix, served) if served else {}
         sent = 0
         for queue, classes in by_queue.items():
-            limit = settings.max_inflight.for_queue(queue)
-            in_flight = sum(held.get(c, 0) for c in classes)
-            capacity = limit - in_flight
-            if capacity <= 0:
-                continue
             try:
-                owner, tasks = rt.queue.lease_to_send(
-                    capacity,
-                    settings.owner_prefix,
-                    settings.dispatch_lease,
-                    classes,
-                    settings.inline_data_max,
-                    now=now,
-                )
+                sent += fill(rt, send, queue, [held[c] for c in classes if c in held], classes, now)
             except WritesRefused as exc:
                 rt.writes.refused(exc)  # logged once; each poll probes until it ends
                 return sent
-            size = batch_size(in_flight + len(tasks), settings.batch_max)
-            done = send(owner, tasks, queue, size, mark=len(tasks) >= max(1, limit // 2))
-            if done < len(tasks):
-                # The broker refused: hand the unsent leases back at once rather than
-                # letting them wait out the dispatch lease.
-                rt.queue.free_own([t.id for t in tasks[done:]], owner)
-            sent += done
         return sent
+
+
+def fill(
+    rt: Runtime, send: Send, queue: str, held: list[Held], classes: list[str], now: int
+) -> int:
+    """Lease and send what ``queue`` may take now (see :mod:`bridge.engine.pace`).
+
+    A queue at its pace still takes rows more urgent than every lease it holds (the
+    urgent lane: as many as it has busy slots, a message each), so a mail is not left
+    in the database until a flood of imports drains.
+    """
+    settings = rt.settings
+    limit, ahead = settings.max_inflight.for_queue(queue), settings.dispatch_ahead
+    in_flight = sum(h.count for h in held)
+    pace = None if ahead is None else Pace.of(rt.queue.recent_runs(classes, WINDOW))
+    target = in_flight_target(pace, ahead, limit)
+    urgent = in_flight >= target
+    if urgent:
+        if in_flight >= limit or not held:
+            return 0
+        wanted = min(limit - in_flight, max(1, round(pace.busy) if pace else 1))
+    else:
+        wanted = target - in_flight
+    owner, tasks = rt.queue.lease_to_send(
+        wanted,
+        settings.owner_prefix,
+        settings.dispatch_lease,
+        classes,
+        settings.inline_data_max,
+        now=now,
+        priority_below=max(h.worst_priority for h in held) if urgent else None,
+    )
+    if not tasks:
+        return 0
+    if urgent:
+        size, mark = 1, False
+    else:
+        size = batch_size(in_flight + len(tasks), settings.batch_max)
+        if pace is not None and ahead is not None:
+            size = min(size, pace.batch_limit(ahead))
+        mark = len(tasks) >= max(1, target // 2)
+    done = send(owner, tasks, queue, size, mark=mark)
+    if done < len(tasks):
+        # The broker refused: hand the unsent leases back at once rather than letting
+        # them wait out the dispatch lease.
+        rt.queue.free_own([t.id for t in tasks[done:]], owner)
+    return done

@@ -307,6 +307,31 @@ class TaskFilter:
 
 
 @dataclass(frozen=True)
+class Held:
+    """One class's live leases of the poller's owners: how many, and the largest priority
+    number among them (an urgent row is one with a smaller number than this)."""
+
+    count: int
+    worst_priority: int
+
+
+@dataclass(frozen=True)
+class RecentRuns:
+    """The archive's most recent runs of some classes, to estimate throughput
+    (``count / span``) and mean duration (``duration_us / count``).
+
+    ``span`` is in seconds, from the oldest counted row's ``dateModified`` (or the
+    oldest row read, when the read was cut short) to the database's now, plus one; it
+    is 1 when nothing was counted. Whole seconds: ``count / span`` is at most the rows
+    read per second (``PhorgeQueue.recent_runs``' ``limit``).
+    """
+
+    count: int
+    duration_us: int
+    span: int
+
+
+@dataclass(frozen=True)
 class ActionResult:
     """What an operator action did to one task; ``reason`` names a refusal as bin/worker."""
 

@@ -9,8 +9,10 @@ outcomes, follow-ups written through :meth:`PhorgeQueue._complete_with`), and th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, Row
@@ -21,10 +23,12 @@ from bridge.queue.model import (
     DEFAULT_LEASE_SECONDS,
     PRIORITY_DEFAULT,
     RESULT_SUCCESS,
+    Held,
     Lease,
     Leased,
     NewTask,
     QueueStats,
+    RecentRuns,
     Task,
     TaskFilter,
     check_owner,
@@ -55,6 +59,38 @@ def _utf8(raw: bytes | None) -> str | None:
         return None
 
 
+class RangeSizes:
+    """Whether the index ranges a lease would read are small (at most ``bound`` rows,
+    counted by ``sql.count_class_rows`` and ``sql.count_expired_range``), to pick each
+    candidate SELECT's index. A class is counted again after ``ttl`` seconds, so polls
+    many times a second share one count. A wrong answer only makes a poll slower,
+    never its rows different.
+    """
+
+    def __init__(self, ttl: float = 5.0, bound: int = sql.SMALL_CLASS_ROWS) -> None:
+        self.ttl = ttl
+        self.bound = bound
+        self._known: dict[str, tuple[bool, float]] = {}  # class -> (small, counted until)
+
+    def small_classes(self, engine: Engine, classes: Sequence[str]) -> frozenset[str]:
+        now = time.monotonic()
+        stale = [name for name in dict.fromkeys(classes) if self._until(name) <= now]
+        if stale:
+            with engine.connect() as conn:
+                for name, rows in conn.execute(sql.count_class_rows(stale, self.bound)):
+                    self._known[name] = (rows <= self.bound, now + self.ttl)
+        return frozenset(name for name in classes if self._known[name][0])
+
+    def few_expired(self, conn: Connection) -> bool:
+        """Whether few rows have a past ``leaseExpires`` (usually none): then reading
+        them all in expiry order beats reading each small class's rows."""
+        expired: int = conn.execute(sql.count_expired_range(self.bound)).scalar_one()
+        return expired <= self.bound
+
+    def _until(self, name: str) -> float:
+        return self._known[name][1] if name in self._known else 0.0
+
+
 class PhorgeQueue:
     """The worker queue of one Phorge install (one ``{namespace}_worker`` database)."""
 
@@ -62,6 +98,7 @@ class PhorgeQueue:
         self.engine = engine
         self.attempts = attempts  # tries of a transaction through transient errors
         self._sessions = threading.local()
+        self.range_sizes = RangeSizes()  # picks the index of each candidate SELECT
 
     @classmethod
     def from_url(cls, url: str, attempts: int = 5, **kwargs: Any) -> PhorgeQueue:
@@ -213,13 +250,16 @@ class PhorgeQueue:
         inline_max: int,
         *,
         now: int | None = None,
+        priority_below: int | None = None,
     ) -> tuple[str, list[Leased]]:
         """The poll's lease: as :meth:`lease` with ``expired_first``, returning the owner
         and the rows as their messages carry them, data undecoded and only up to
         ``inline_max`` bytes (the worker decodes it, or reads a larger one, when it checks
-        the lease). ``now``: the database's clock, when the poll has just read it."""
+        the lease). ``now``: the database's clock, when the poll has just read it.
+        ``priority_below``: only rows with a smaller priority number (the urgent lane)."""
         owner = self.new_owner(owner_prefix, now)
-        if not self._take(limit, owner, seconds, sql.LeaseFilter(classes), expired_first=True):
+        where = sql.LeaseFilter(classes, priority_below=priority_below)
+        if not self._take(limit, owner, seconds, where, expired_first=True):
             return owner, []
         with self.engine.connect() as conn:
             rows = conn.execute(sql.select_leased_to_send(owner, inline_max)).all()
@@ -233,6 +273,10 @@ class PhorgeQueue:
         check_seconds("lease seconds", seconds, minimum=1)
         if limit <= 0 or any(s is not None and not s for s in (where.classes, where.ids)):
             return 0
+        if where.classes is not None and where.ids is None:
+            # Counted once for both phases: which classes read through ``taskClass``.
+            small = self.range_sizes.small_classes(self.engine, where.classes)
+            where = replace(where, small_classes=small)
         phases: list[_TakePhase] = [self._take_unleased, self._take_expired]
         won = 0
         for take_phase in reversed(phases) if expired_first else phases:
@@ -253,10 +297,11 @@ class PhorgeQueue:
         ids = [row.id for row in rows]
         return conn.execute(sql.take_unleased(ids, owner, seconds)).rowcount if ids else 0
 
-    @staticmethod
     def _take_expired(
-        conn: Connection, limit: int, owner: str, seconds: int, where: sql.LeaseFilter
+        self, conn: Connection, limit: int, owner: str, seconds: int, where: sql.LeaseFilter
     ) -> int:
+        if where.small_classes and self.range_sizes.few_expired(conn):
+            where = replace(where, small_classes=frozenset())
         rows = conn.execute(sql.select_expired(limit, where)).all()
         return conn.execute(sql.take_expired(rows, owner, seconds)).rowcount if rows else 0
 
@@ -264,11 +309,32 @@ class PhorgeQueue:
         """The task if ``owner`` still holds its lease right now (a read, no write)."""
         return self.session.held(Lease(task_id, owner, failure_count))
 
-    def held_by_class(self, owner_prefix: str) -> dict[str, int]:
-        """Live, running leases per task class of every owner starting with the prefix."""
+    def held_by_class(
+        self, owner_prefix: str, classes: Sequence[str] | None = None
+    ) -> dict[str, Held]:
+        """Live, running leases per task class of every owner ``owner_prefix:...``, only
+        of ``classes`` when given (cheaper: other classes' rows are never read)."""
+        if classes is not None and not classes:
+            return {}
         with self.engine.connect() as conn:
-            rows = conn.execute(sql.count_held_by_class(owner_prefix)).all()
-        return {task_class: count for task_class, count in rows}
+            rows = conn.execute(sql.count_held_by_class(owner_prefix, classes)).all()
+        return {task_class: Held(count, worst) for task_class, count, worst in rows}
+
+    def recent_runs(self, classes: Sequence[str], window: int, limit: int = 500) -> RecentRuns:
+        """The runs of ``classes`` (any result) among the newest ``limit`` rows archived
+        in the last ``window`` seconds: the poller's throughput estimate.
+
+        The span runs from the oldest run counted, or, when ``limit`` rows were read
+        (the window holds more), from the oldest row read: the time those rows cover.
+        """
+        if not classes:
+            return RecentRuns(0, 0, 1)
+        with self.engine.connect() as conn:
+            query = sql.sum_recent_runs(classes, window, limit)
+            count, duration, oldest_ours, read, oldest_read, now = conn.execute(query).one()
+        oldest = oldest_read if read >= limit else oldest_ours
+        span = 1 if oldest is None else max(1, int(now) - int(oldest) + 1)
+        return RecentRuns(int(count), int(duration), span)
 
     def task_classes(self) -> list[str]:
         """Task classes with rows in the active table."""

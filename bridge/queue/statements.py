@@ -9,12 +9,14 @@ statement here never decides anything from a value read earlier.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Column,
     ColumnElement,
+    CompoundSelect,
     Delete,
     Insert,
     Integer,
@@ -70,14 +72,20 @@ COPIED_COLUMNS = (
 
 @dataclass(frozen=True)
 class LeaseFilter:
-    """Which rows a lease may take: by class (in or out) and by id (``withIDs``)."""
+    """Which rows a lease may take: by class (in or out), by id (``withIDs``) and by
+    priority (only those more urgent than ``priority_below``, the poller's urgent lane)."""
 
     classes: Sequence[str] | None = None
     exclude_classes: Sequence[str] | None = None
     ids: Sequence[int] | None = None
+    priority_below: int | None = None
+    # Classes whose candidates are read through ``taskClass`` (few rows): a cost hint.
+    small_classes: frozenset[str] = frozenset()
 
     def where(self) -> list[ColumnElement[bool]]:
         where: list[ColumnElement[bool]] = []
+        if self.priority_below is not None:
+            where.append(active.c.priority < self.priority_below)
         if self.classes is not None:
             where.append(active.c.taskClass.in_(list(self.classes)))
         if self.exclude_classes:
@@ -116,6 +124,81 @@ def insert_active(task_id: int, data_id: int, task: NewTask) -> Insert:
 # -- lease: PhabricatorWorkerLeaseQuery, with the bridge's delay-honouring phase 1 --------
 
 
+SMALL_CLASS_ROWS = 5000
+"""A class of at most this many active rows reads its candidates through ``taskClass``."""
+
+
+def _force_index(query: Select[Any], index: str) -> Select[Any]:
+    """``query`` reading ``worker_activetask`` through ``index`` on MariaDB and MySQL:
+    their optimizers flip plans with the LIMIT (docs/architecture.md)."""
+    hint = f"FORCE INDEX ({index})"
+    return query.with_hint(active, hint, "mysql").with_hint(active, hint, "mariadb")
+
+
+def _candidates(
+    output: list[Column[Any]],
+    order: list[Column[Any]],
+    condition: list[ColumnElement[bool]],
+    limit: int,
+    where: LeaseFilter,
+    large_index: str,
+) -> Select[Any]:
+    """The first ``limit`` rows meeting ``condition`` and ``where`` in ``order``: one
+    sub-select per small class through ``taskClass`` (all its rows, however many rows
+    of other classes come first), one for the large classes together through
+    ``large_index``, under UNION ALL. Without classes, or with ``ids``, one statement
+    left to the optimizer.
+    """
+
+    def part(
+        classes: Sequence[str] | None, index: str | None, columns: Iterable[Column[Any]]
+    ) -> Select[Any]:
+        scope = replace(where, classes=classes)
+        query: Select[Any] = select(*columns).where(*condition, *scope.where())
+        query = query.order_by(*order).limit(limit)
+        return query if index is None else _force_index(query, index)
+
+    if where.classes is None or where.ids is not None:
+        return part(where.classes, None, output)
+    classes = list(dict.fromkeys(where.classes))
+    groups = [([name], "taskClass") for name in classes if name in where.small_classes]
+    large = [name for name in classes if name not in where.small_classes]
+    if large:
+        groups.append((large, large_index))
+    if len(groups) == 1:
+        return part(*groups[0], output)
+    columns = {column.name: column for column in [*output, *order]}.values()
+    parts = [select(*part(names, index, columns).subquery().c) for names, index in groups]
+    union = union_all(*parts).subquery("candidates")
+    return (
+        select(*(union.c[column.name] for column in output))
+        .order_by(*(union.c[column.name] for column in order))
+        .limit(limit)
+    )
+
+
+def count_class_rows(
+    classes: Sequence[str], bound: int
+) -> CompoundSelect[str, int] | Select[str, int]:
+    """Each class's active rows, counted up to ``bound + 1``: an index-only read of
+    ``taskClass`` that stops there, so a large class costs no more than a small one."""
+
+    def counted(name: str) -> Select[str, int]:
+        rows = select(literal(1).label("one")).where(active.c.taskClass == name).limit(bound + 1)
+        return select(literal(name).label("taskClass"), func.count().label("n")).select_from(
+            _force_index(rows, "taskClass").subquery()
+        )
+
+    return union_all(*map(counted, classes)) if len(classes) > 1 else counted(classes[0])
+
+
+def count_expired_range(bound: int) -> Select[Any]:
+    """The rows whose ``leaseExpires`` is past, counted up to ``bound + 1`` (index only):
+    what the expired phase reads through ``leaseExpires``."""
+    rows = select(literal(1).label("one")).where(active.c.leaseExpires < db_now()).limit(bound + 1)
+    return select(func.count()).select_from(_force_index(rows, "leaseExpires").subquery())
+
+
 def _unleased_due() -> list[ColumnElement[bool]]:
     return [
         active.c.leaseOwner.is_(None),
@@ -124,12 +207,18 @@ def _unleased_due() -> list[ColumnElement[bool]]:
 
 
 def select_unleased(limit: int, where: LeaseFilter) -> Select[Any]:
-    """Phase 1 candidates: never-leased (or freed) due tasks, ``priority, id`` order."""
-    return (
-        select(active.c.id)
-        .where(*_unleased_due(), *where.where())
-        .order_by(active.c.priority, active.c.id)
-        .limit(limit)
+    """Phase 1 candidates: never-leased (or freed) due tasks, ``priority, id`` order.
+
+    Per class (see ``_candidates``); the large classes together read ``key_owner`` from
+    (NULL, the smallest priority), in order, so they stop after ``limit`` rows.
+    """
+    return _candidates(
+        [active.c.id],
+        [active.c.priority, active.c.id],
+        _unleased_due(),
+        limit,
+        where,
+        large_index="key_owner",
     )
 
 
@@ -145,17 +234,16 @@ def take_unleased(ids: Sequence[int], owner: str, seconds: int) -> Update:
 def select_expired(limit: int, where: LeaseFilter) -> Select[Any]:
     """Phase 2 candidates: owned rows whose lease (or retry wait, or yield) ran out.
 
-    Oldest expiry first, so a task that keeps failing goes to the back.
+    Oldest expiry first, so a task that keeps failing goes to the back. Per class (see
+    ``_candidates``); the large classes together read ``leaseExpires`` in order.
     """
-    return (
-        select(active.c.id, active.c.leaseOwner)
-        .where(
-            active.c.leaseOwner.is_not(None),
-            active.c.leaseExpires < db_now(),
-            *where.where(),
-        )
-        .order_by(active.c.leaseExpires)
-        .limit(limit)
+    return _candidates(
+        [active.c.id, active.c.leaseOwner],
+        [active.c.leaseExpires],
+        [active.c.leaseOwner.is_not(None), active.c.leaseExpires < db_now()],
+        limit,
+        where,
+        large_index="leaseExpires",
     )
 
 
@@ -327,19 +415,25 @@ YIELDED_FROM = select(active.c.id).where(
 """The active row a yield left (owner ``(yield)``, the failure count unchanged)."""
 
 
-def count_held_by_class(owner_prefix: str) -> Select[Any]:
-    """Live leases per class whose owner is ``owner_prefix:...`` (the poller's capacity).
+def count_held_by_class(owner_prefix: str, classes: Sequence[str] | None = None) -> Select[Any]:
+    """Live leases per class whose owner is ``owner_prefix:...`` (the poller's capacity):
+    how many, and the largest priority number among them.
 
     Rows waiting to retry keep their failed run's owner; they are not in flight.
+    ``classes`` restricts the count to them, so rows of other classes (which may be many,
+    e.g. waiting to retry) are never read.
     """
     escaped = owner_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    where = [
+        active.c.leaseOwner.like(escaped + ":%", escape="\\"),
+        active.c.leaseExpires > db_now(),
+        ~_waiting_to_retry(),
+    ]
+    if classes is not None:
+        where.append(active.c.taskClass.in_(list(classes)))
     return (
-        select(active.c.taskClass, func.count())
-        .where(
-            active.c.leaseOwner.like(escaped + ":%", escape="\\"),
-            active.c.leaseExpires > db_now(),
-            ~_waiting_to_retry(),
-        )
+        select(active.c.taskClass, func.count(), func.max(active.c.priority))
+        .where(*where)
         .group_by(active.c.taskClass)
     )
 
@@ -527,6 +621,32 @@ def count_archived_by_class_and_result(since: int) -> Select[Any]:
         .where(archive.c.dateModified >= since)
         .group_by(archive.c.taskClass, archive.c.result)
     )
+
+
+def sum_recent_runs(classes: Sequence[str], window: int, limit: int) -> Select[Any]:
+    """Of the newest ``limit`` archived rows of the last ``window`` seconds (any class):
+    the runs of ``classes`` (count, total µs, oldest ``dateModified``), the rows read
+    (count, oldest), and the server's clock.
+
+    A backward range on ``key_modified`` that stops after ``limit`` rows, so its cost
+    stays bounded however fast tasks are archived, whatever share ``classes`` have.
+    """
+    newest = (
+        select(archive.c.taskClass, archive.c.duration, archive.c.dateModified)
+        .where(archive.c.dateModified >= db_now() - window)
+        .order_by(archive.c.dateModified.desc())
+        .limit(limit)
+        .subquery("newest")
+    )
+    ours = newest.c.taskClass.in_(list(classes))
+    return select(
+        func.coalesce(func.sum(case((ours, 1), else_=0)), 0),
+        func.coalesce(func.sum(case((ours, newest.c.duration), else_=0)), 0),
+        func.min(case((ours, newest.c.dateModified), else_=None)),
+        func.count(),
+        func.min(newest.c.dateModified),
+        db_now(),
+    ).select_from(newest)
 
 
 # -- doctor: the task id counter, Phorge's daemon console ----------------------------------

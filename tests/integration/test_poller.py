@@ -21,7 +21,7 @@ from sqlalchemy import Engine, event, update
 
 from bridge.celery import app
 from bridge.config import load_settings
-from bridge.engine import poll
+from bridge.engine import pace, poll
 from bridge.engine.context import Runtime
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
@@ -29,8 +29,9 @@ from bridge.handlers.registry import Registry
 from bridge.phorge.conduit import ConduitClient
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
-from bridge.queue.model import NewTask, TaskFilter, lease_epoch
+from bridge.queue.model import Lease, NewTask, TaskFilter, lease_epoch
 from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
 from bridge.runtime import dispatch
 
 pytestmark = pytest.mark.mariadb
@@ -105,6 +106,8 @@ def make_runtime(mysql_engine: Engine) -> Iterator[Callable[..., Runtime]]:
             "BRIDGE_BROKER_URL": "amqp://unused//",
             "BRIDGE_DISPATCH_LEASE": str(DISPATCH_LEASE),
             "BRIDGE_POLL_INTERVAL": str(POLL_INTERVAL),
+            # Most tests here pin the capacity rules; the pace's own tests turn it on.
+            "BRIDGE_DISPATCH_AHEAD": "off",
             **{f"BRIDGE_{name}": value for name, value in settings.items()},
         }
         config = load_settings(env)
@@ -357,3 +360,68 @@ def test_lease_owners_carry_the_database_clock(make_runtime, sent, monkeypatch):
     assert poll_once(rt) == 1
     [task] = rt.queue.list(TaskFilter(classes=[FAST]))
     assert abs(lease_epoch(task.lease_owner) - task.server_time) <= 1
+
+
+# -- the pace: a backlog waits in the database, in priority order ------------------------
+
+
+def archive_runs(rt: Runtime, task_class: str, count: int, seconds: float, over: int) -> None:
+    """``count`` runs of ``task_class`` archived, ``seconds`` each, spread evenly over the
+    last ``over`` seconds (the history :meth:`PhorgeQueue.recent_runs` reads)."""
+    enqueue(rt, task_class, count=count)
+    leased = rt.queue.lease(count, classes=[task_class])
+    for task in leased:
+        lease = Lease(task.id, task.lease_owner, task.failure_count)
+        assert rt.queue.session.complete(lease, int(seconds * 1e6))
+    with rt.queue.engine.begin() as conn:
+        for index, task in enumerate(leased):
+            ago = over * index // count
+            conn.execute(
+                update(archive).where(archive.c.id == task.id).values(dateModified=db_now() - ago)
+            )
+
+
+def test_a_queue_with_no_recent_runs_starts_with_two_leases(make_runtime, sent):
+    rt = make_runtime(DISPATCH_AHEAD="0.25")
+    enqueue(rt, FAST, count=50)
+    assert poll_once(rt) == pace.FLOOR
+    assert poll_once(rt) == 0, "the two in flight are all it may hold"
+
+
+def test_short_tasks_fill_up_to_the_inflight_limit(make_runtime, sent):
+    # No-op work: 0.25 s / 1 ms is 250 leases, still under a quarter second of work.
+    rt = make_runtime(DISPATCH_AHEAD="0.25", MAX_INFLIGHT="200")
+    archive_runs(rt, FAST, count=20, seconds=0.001, over=5)
+    enqueue(rt, FAST, count=300)
+    assert poll_once(rt) == 200
+
+
+def test_slow_tasks_lease_what_the_busy_slots_start_before_the_next_poll(make_runtime, sent):
+    # 22 runs of 1 s over the last 10 s: 2 a second on 2 busy slots, so 1.25 x 2 + 2 x
+    # 0.25 = 3 leases, a message each (one message may carry at most 0.25 s of work).
+    rt = make_runtime(DISPATCH_AHEAD="0.25")
+    archive_runs(rt, SLOW, count=22, seconds=1.0, over=10)
+    ids = enqueue(rt, SLOW, count=50)
+    assert poll_once(rt) == 3
+    assert [m.task_id for m in sent] == ids[:3]
+    assert {m.batch for m in sent} == {1}
+
+
+def test_an_urgent_task_is_leased_even_when_its_queue_is_at_its_pace(make_runtime, sent):
+    rt = make_runtime(DISPATCH_AHEAD="0.25")
+    enqueue(rt, FAST, count=50, priority=4000)
+    assert poll_once(rt) == pace.FLOOR
+    sent.clear()
+    [mail] = enqueue(rt, FAST, priority=1000)
+    enqueue(rt, FAST, priority=4000)
+    assert poll_once(rt) == 1
+    assert [(m.task_id, m.batch) for m in sent] == [(mail, 1)]
+    assert poll_once(rt) == 0, "only rows more urgent than every lease take the lane"
+
+
+def test_no_urgent_lane_beyond_the_inflight_limit(make_runtime, sent):
+    rt = make_runtime(DISPATCH_AHEAD="0.25", MAX_INFLIGHT="2")
+    enqueue(rt, FAST, count=5, priority=4000)
+    assert poll_once(rt) == 2
+    enqueue(rt, FAST, priority=1000)
+    assert poll_once(rt) == 0

@@ -97,6 +97,7 @@ def rt(account: str, probe: Probe) -> Iterator[Runtime]:
             "BRIDGE_BROKER_URL": "amqp://unused//",
             "BRIDGE_DISPATCH_LEASE": "60",
             "BRIDGE_REPORT_ATTEMPTS": "3",
+            "BRIDGE_DISPATCH_AHEAD": "off",  # a poll leases every due row
         }
     )
     runtime = Runtime(settings, PhorgeQueue(make_engine(account), 3), Registry([probe]))

@@ -70,6 +70,7 @@ ACCEPTED = [
     ),
     ("BRIDGE_MAX_INFLIGHT", "phorge=5", "max_inflight", MaxInflight(500, {"phorge": 5})),
     ("BRIDGE_DISPATCH_LEASE", "60", "dispatch_lease", 60),
+    ("BRIDGE_DISPATCH_AHEAD", "0.5", "dispatch_ahead", 0.5),
     ("BRIDGE_DEFAULT_LEASE", "600", "default_lease", 600),
     ("BRIDGE_RETRY_BASE", "1", "retry_base", 1),
     ("BRIDGE_RETRY_MAX", "60", "retry_max", 60),
@@ -139,6 +140,8 @@ REFUSED = [
     ({"BRIDGE_MAX_INFLIGHT": "10,mail=0"}, "BRIDGE_MAX_INFLIGHT", "positive"),
     ({"BRIDGE_MAX_INFLIGHT": "10,=5"}, "BRIDGE_MAX_INFLIGHT", "queue=N"),
     ({"BRIDGE_DISPATCH_LEASE": "0"}, "BRIDGE_DISPATCH_LEASE", "positive"),
+    ({"BRIDGE_DISPATCH_AHEAD": "0"}, "BRIDGE_DISPATCH_AHEAD", "seconds or `off`"),
+    ({"BRIDGE_DISPATCH_AHEAD": "never"}, "BRIDGE_DISPATCH_AHEAD", "seconds or `off`"),
     ({"BRIDGE_DISPATCH_LEASE": "1.5"}, "BRIDGE_DISPATCH_LEASE", "integer"),
     (
         {"BRIDGE_DISPATCH_LEASE": "3", "BRIDGE_POLL_INTERVAL": "2"},
@@ -176,6 +179,10 @@ def test_a_bad_value_is_refused_naming_its_setting(env, setting, explanation):
     assert refused.value.setting == setting
     assert str(refused.value).startswith(f"{setting}: ")
     assert explanation in str(refused.value)
+
+
+def test_dispatch_ahead_off_turns_the_pace_off():
+    assert load_settings({"BRIDGE_DISPATCH_AHEAD": "OFF"}).dispatch_ahead is None
 
 
 def test_every_setting_is_tested_here_or_beside_the_conduit_client():

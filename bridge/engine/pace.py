@@ -1,0 +1,63 @@
+"""How many leases a queue may hold at once, so that a backlog's order stays Phorge's.
+
+Phorge runs smaller priority numbers first. Once a task is in the broker, its place is
+fixed: the broker is first in, first out (SQLite has no priorities; RabbitMQ's need a
+queue declared with them, which an existing install refuses). So a queue holds only
+what its workers start within about ``ahead`` seconds (``BRIDGE_DISPATCH_AHEAD``), and
+the rest of the backlog waits in the database, where the next poll leases by priority.
+
+The workers' pace comes from the archive (:meth:`PhorgeQueue.recent_runs`): its rate
+``r`` and mean duration ``d`` give the slots in use, ``r·d`` (Little's law). A queue
+holds ``1.25·r·d + r·ahead`` leases: the busy slots with room to find more, and one
+interval's starts. Tasks so short that ``ahead / d`` is larger may fill up to that
+(waiting behind them costs less than ``ahead`` even on one slot), so no-op work is not
+slowed. With no history a queue starts with :data:`FLOOR`, and grows as runs archive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bridge.queue.model import RecentRuns
+
+FLOOR = 2  # leases of a queue with no recent runs: two slots, one task each
+HEADROOM = 1.25  # busy slots x this: a saturated queue finds a freed slot; 1 s tasks on
+# two slots hold at most one waiting task
+WINDOW = 10  # seconds of archive the pace is read from
+MIN_COST = 0.0005  # seconds a task costs a worker beyond its archived duration
+
+
+@dataclass(frozen=True)
+class Pace:
+    """A queue's measured pace: completions a second and mean seconds a run."""
+
+    rate: float
+    mean: float
+
+    @classmethod
+    def of(cls, runs: RecentRuns) -> Pace | None:
+        if runs.count == 0:
+            return None
+        return cls(runs.count / runs.span, runs.duration_us / runs.count / 1e6)
+
+    @property
+    def busy(self) -> float:
+        """Worker slots in use (Little's law)."""
+        return self.rate * self.mean
+
+    def in_flight(self, ahead: float) -> int:
+        """Leases that keep the busy slots fed until about ``ahead`` seconds from now."""
+        fed = round(HEADROOM * self.busy + self.rate * ahead)
+        return max(FLOOR, fed, int(ahead / max(self.mean, MIN_COST)))
+
+    def batch_limit(self, ahead: float) -> int:
+        """Tasks one message may carry: at most ``ahead`` seconds of work, since a
+        worker holding a message starts nothing else until it is through."""
+        return max(1, int(ahead / max(self.mean, MIN_COST)))
+
+
+def in_flight_target(pace: Pace | None, ahead: float | None, limit: int) -> int:
+    """Leases a queue may hold: ``limit`` (``BRIDGE_MAX_INFLIGHT``) when pacing is off."""
+    if ahead is None:
+        return limit
+    return min(limit, FLOOR if pace is None else pace.in_flight(ahead))

@@ -1,0 +1,44 @@
+"""The pace: how many leases a queue holds, from its archived runs (``bridge.engine.pace``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bridge.engine.pace import FLOOR, Pace, in_flight_target
+from bridge.queue.model import RecentRuns
+
+AHEAD = 0.25
+
+
+def pace(count: int, seconds_each: float, span: int) -> Pace:
+    found = Pace.of(RecentRuns(count, int(count * seconds_each * 1e6), span))
+    assert found is not None
+    return found
+
+
+@pytest.mark.parametrize(
+    ("runs", "leases", "message"),
+    [
+        # 50 ms tasks on two busy slots, 40 a second: the slots and a quarter second's
+        # starts; a message carries five (a quarter second of work).
+        (pace(400, 0.05, 10), 12, 5),
+        # 1 s tasks on two slots: one waiting task at most, a message each.
+        (pace(20, 1.0, 10), 3, 1),
+        # No-op work: waiting behind 500 of them costs less than a quarter second.
+        (pace(500, 0.0002, 1), 500, 500),
+    ],
+)
+def test_a_queue_holds_what_its_busy_slots_start_within_ahead(runs, leases, message):
+    assert in_flight_target(runs, AHEAD, limit=500) == leases
+    assert runs.batch_limit(AHEAD) == message
+
+
+def test_busy_slots_follow_littles_law():
+    assert pace(80, 0.5, 10).busy == pytest.approx(4.0)
+
+
+def test_no_recent_runs_start_with_the_floor_and_off_fills_to_the_limit():
+    assert Pace.of(RecentRuns(0, 0, 1)) is None
+    assert in_flight_target(None, AHEAD, limit=500) == FLOOR
+    assert in_flight_target(None, AHEAD, limit=1) == 1
+    assert in_flight_target(pace(20, 1.0, 10), None, limit=500) == 500
