@@ -59,10 +59,17 @@ def test_enqueue_refuses_bad_input_without_writing(cli):
 def test_cancel_archives_as_cancelled_and_refuses_archived_tasks(cli):
     invoke, queue = cli
     task_id = queue.enqueue("PhabricatorTestWorker", {})
-    out = invoke("cancel", "--id", str(task_id))
-    assert f"PhabricatorTestWorker#{task_id}: cancelled" in out
+    out = invoke("cancel", "--id", str(task_id), "--verbose")
+    assert out.splitlines() == [
+        f"PhabricatorTestWorker#{task_id}: cancelled",
+        "1 task(s) cancelled.",
+    ]
     assert queue.get(task_id).result == RESULT_CANCELLED
-    assert "ARCHIVED" in invoke("cancel", "--id", str(task_id))
+    assert invoke("cancel", "--id", str(task_id)).splitlines() == [
+        "0 task(s) cancelled.",
+        "1 task(s) not cancelled: ARCHIVED: already archived, and can not be cancelled "
+        f"(PhabricatorTestWorker#{task_id})",
+    ]
 
 
 def test_actions_refuse_to_run_without_a_selector(cli):
@@ -86,6 +93,36 @@ def test_free_delay_priority_and_retry_follow_bin_worker(cli):
     invoke("cancel", "--id", str(task_id))
     assert "1 task(s) queued for retry" in invoke("retry", "--id", str(task_id))
     assert queue.get(task_id).state.value == "queued"
+
+
+def test_list_shows_each_result_due_time_and_waiting_to_retry_on_mariadb(cli):
+    invoke, queue = cli
+    ok = queue.enqueue("PhabricatorTestWorker", {})
+    flaky = queue.enqueue("PhabricatorTestWorker", {"doWork": "fail-temporary"})
+    broken = queue.enqueue("PhabricatorTestWorker", {"doWork": "fail-permanent"})
+    invoke("execute", "--id", str(ok), "--id", str(flaky), "--id", str(broken), code=1)
+    rows = {row["id"]: row for row in map(json.loads, invoke("list", "--json").splitlines())}
+    assert {i: row["state"] for i, row in rows.items()} == {
+        ok: "success",
+        flaky: "waiting-to-retry",
+        broken: "failed",
+    }
+    assert rows[flaky]["due"] - rows[flaky]["failure_time"] == 300
+    text = invoke("show", "--id", str(broken))
+    assert text.startswith(f"PhabricatorTestWorker#{broken}: failed\n")
+    assert "  outcome        permanent failure (archived with result 1)" in text
+
+
+def test_a_missing_table_on_mariadb_is_one_line_naming_the_setting(
+    cli, make_mysql_database, monkeypatch
+):
+    invoke, _ = cli
+    empty = make_mysql_database(create_tables=False)
+    monkeypatch.setenv("BRIDGE_DATABASE_URL", empty.url.render_as_string(hide_password=False))
+    for command in (["list"], ["stats"], ["enqueue", "X"], ["retry", "--class", "X"]):
+        [line] = invoke(*command, code=1).splitlines()
+        assert line.startswith("Error: database error: ") and "doesn't exist" in line
+        assert "check BRIDGE_DATABASE_URL (mysql+mysqldb://" in line
 
 
 def test_stats_counts_per_class_and_state(cli):
