@@ -56,7 +56,8 @@ alive() { [[ -f $1 ]] && ! gone "$(cat "$1")"; }
 
 install() {
     local missing=0
-    for bin in mariadbd mariadb-install-db redis-server rabbitmq-server pkg-config php; do
+    for bin in mariadbd mariadb-install-db redis-server rabbitmq-server pkg-config php \
+        promtool prometheus; do
         command -v "$bin" >/dev/null || missing=1
     done
     # mysqlclient builds from source against libmariadb-dev.
@@ -67,6 +68,9 @@ install() {
     apt-get update -qq
     apt-get install -y -qq mariadb-server rabbitmq-server redis-server \
         pkg-config libmariadb-dev php-cli >/dev/null
+    # promtool checks the shipped alert rules; an acceptance test starts a server of
+    # its own. The node exporter it recommends is not needed.
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 }
 
 # Each probe has its own timeout: a foreign listener on the port must not hang us.

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bridge.engine.context import Runtime
-from bridge.engine.metrics import outcome_counter
+from bridge.engine.metrics import UNWRITTEN, outcome_counter
 from bridge.engine.run import Done, Ran, attempt, observers, retry_wait
 from bridge.engine.tracing import TaskTrace, traced
 from bridge.queue import Lease, Outcome, Task
@@ -68,6 +68,7 @@ class Finished:
         """How the run ended, once its outcome's write was tried."""
         result, task_id = self.done.result, self.done.lease.task_id
         if isinstance(written, Exception):
+            UNWRITTEN.labels(self.item.task_class or "unknown", result.outcome.value).inc()
             log.error(
                 "task %d: outcome %s not written; the lease will expire (%s)",
                 task_id,

@@ -1,40 +1,78 @@
-"""Prometheus metrics of the bridge (multiprocess-safe under prefork).
+"""Prometheus metrics of the bridge, summed over a worker's prefork children.
 
-Counters live in each worker child; with ``PROMETHEUS_MULTIPROC_DIR`` set they are
-aggregated by the exporter that ``bridge.runtime.lifecycle`` starts when
-``BRIDGE_METRICS_PORT`` is configured. Queue depth and age are read from the database
-at scrape time, since Flower and broker exporters only see messages.
+Counters live in each worker child. A worker that serves metrics (``BRIDGE_METRICS_PORT``)
+counts in mmap files from before its pool forks (:func:`count_across_processes`), and
+its exporter, started by ``bridge.runtime.lifecycle``, sums them. Queue depth and age
+are read from the database at scrape time, since Flower and broker exporters only see
+messages.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
+import glob
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
+import time
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    Info,
     start_http_server,
+    values,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
+from sqlalchemy import case, func, select
 
+from bridge._version import __version__
 from bridge.handlers.breaker import CircuitBreaker
+from bridge.queue.dialect import owner_epoch
+from bridge.queue.model import YIELD_OWNER, State
+from bridge.queue.schema import worker_activetask as active
+from bridge.queue.statements import state_case
 
 if TYPE_CHECKING:
+    from bridge.handlers.registry import Registry
     from bridge.queue.phorge_queue import PhorgeQueue
+    from bridge.routing import Router
+
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 DISPATCHED = Counter(
     "phorge_bridge_dispatched_total", "Tasks leased and sent to Celery", ["queue", "task_class"]
 )
+SENT_ON = Counter(
+    "phorge_bridge_sent_on_total",
+    "Tasks a batch had no time for, sent on in new messages (not in dispatched_total)",
+    ["queue", "task_class"],
+)
+TASKS_PER_MESSAGE = Histogram(
+    "phorge_bridge_tasks_per_message",
+    "Tasks a Celery message carries (1: bridge.execute, more: bridge.execute_batch)",
+    ["queue"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
 OUTCOMES = Counter(
     "phorge_bridge_outcomes_total",
     "Task runs by outcome (success, failure, permanent-failure, yield, lease-lost, unreported)",
+    ["task_class", "outcome"],
+)
+UNWRITTEN = Counter(
+    "phorge_bridge_outcome_write_failures_total",
+    "Outcomes the database did not take (counted unreported; the lease will expire)",
     ["task_class", "outcome"],
 )
 DURATION = Histogram(
@@ -49,6 +87,27 @@ WALL_TIME = Histogram(
 )
 RENEWALS = Counter(
     "phorge_bridge_lease_renewals_total", "Lease extensions (claims and heartbeats)", ["result"]
+)
+POLL_DURATION = Histogram(
+    "phorge_bridge_poll_duration_seconds", "Time a bridge.poll took (its count: the polls run)"
+)
+POLL_ERRORS = Counter(
+    "phorge_bridge_poll_errors_total", "Polls that failed, by exception class", ["error"]
+)
+LAST_POLL = Gauge(
+    "phorge_bridge_last_poll_timestamp_seconds",
+    "Unix time the last poll that did not fail ended (beat sends one each poll interval)",
+    multiprocess_mode="max",
+)
+CONDUIT_BREAKER_OPEN = Gauge(
+    "phorge_bridge_conduit_breaker_open",
+    "1 while Conduit's circuit breaker holds PHP-only tasks back (max over processes)",
+    multiprocess_mode="livemax",
+)
+WRITES_REFUSED = Gauge(
+    "phorge_bridge_database_writes_refused",
+    "1 while the database refuses this worker's writes (read-only, full): no task starts",
+    multiprocess_mode="livemax",
 )
 
 
@@ -65,18 +124,19 @@ def run_timers(task_class: str) -> tuple[Histogram, Histogram]:
     return WALL_TIME.labels(task_class=task_class), DURATION.labels(task_class=task_class)
 
 
-CONDUIT_BREAKER_OPEN = Gauge(
-    "phorge_bridge_conduit_breaker_open",
-    "1 while Conduit's circuit breaker holds PHP-only tasks back (max over processes)",
-    multiprocess_mode="livemax",
-)
-
-
-WRITES_REFUSED = Gauge(
-    "phorge_bridge_database_writes_refused",
-    "1 while the database refuses this worker's writes (read-only, full): no task starts",
-    multiprocess_mode="livemax",
-)
+@contextmanager
+def observed_poll() -> Iterator[None]:
+    """Time a poll, count it as failed if it raises, else note when it ended."""
+    started = time.perf_counter()
+    try:
+        yield
+    except Exception as exc:
+        POLL_ERRORS.labels(error=type(exc).__name__).inc()
+        raise
+    else:
+        LAST_POLL.set_to_current_time()
+    finally:
+        POLL_DURATION.observe(time.perf_counter() - started)
 
 
 def watch_breaker(breaker: CircuitBreaker) -> None:
@@ -85,44 +145,192 @@ def watch_breaker(breaker: CircuitBreaker) -> None:
     breaker.listeners.append(lambda is_open: CONDUIT_BREAKER_OPEN.set(int(is_open)))
 
 
-class QueueCollector:
-    """Gauges of the Phorge queue per class and state, read at each scrape."""
+# -- prefork: every process counts in files of one directory -------------------------------
 
-    def __init__(self, queue: PhorgeQueue) -> None:
-        self.queue = queue
+
+def count_across_processes() -> str:
+    """Count in mmap files of one directory from now on, this process and those it
+    forks, so that the exporter sums the prefork children; returns the directory.
+
+    ``PROMETHEUS_MULTIPROC_DIR`` names it, else it is a private one removed at exit.
+    prometheus_client picks its mode when first imported, before Celery says this
+    process is a worker, so the switch happens here, before the pool forks: the
+    values made until now are made again, in files.
+    """
+    directory = os.environ.get(MULTIPROC_DIR) or _private_directory()
+    os.makedirs(directory, exist_ok=True)
+    os.environ[MULTIPROC_DIR] = directory
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        values.ValueClass = values.MultiProcessValue()
+        _make_values_again()
+    return directory
+
+
+def _private_directory() -> str:
+    directory = tempfile.mkdtemp(prefix="phorge-bridge-metrics-")
+    creator = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == creator:  # never a forked child's exit
+            shutil.rmtree(directory, ignore_errors=True)
+
+    atexit.register(remove)
+    return directory
+
+
+def _make_values_again() -> None:
+    """Labelled metrics drop their children (made again on use), the others remake
+    their value as their constructor does (``_metric_init``: prometheus_client has no
+    public way), so every value counts in a file."""
+    for metric in globals().values():
+        if not isinstance(metric, MetricWrapperBase):
+            continue
+        if metric._labelnames:
+            metric.clear()
+        else:
+            metric._metric_init()
+    outcome_counter.cache_clear()
+    run_timers.cache_clear()
+
+
+class ProcessesCollector:
+    """The sums over every process that counted in ``directory``, dead ones included,
+    except the live gauges (the breaker, refused writes) of processes gone."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def collect(self) -> Iterator[Metric]:
+        for pid in self._dead_pids():
+            mark_process_dead(pid, self.directory)
+        yield from MultiProcessCollector(None, self.directory).collect()
+
+    def _dead_pids(self) -> set[int]:
+        pids = set()
+        for path in glob.glob(os.path.join(self.directory, "gauge_live*_*.db")):
+            pid = int(path.rsplit("_", 1)[1].removesuffix(".db"))
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                pids.add(pid)
+            except PermissionError:  # alive, another user's
+                pass
+        return pids
+
+
+# -- read from the database at each scrape ------------------------------------------------
+
+DUE = (State.QUEUED.value, State.EXPIRED.value)
+
+
+@dataclass
+class QueueFigures:
+    """One Celery queue's served tasks: due and not yet dispatched, and dispatched but
+    not done (waiting in the broker, or running), each with its oldest's age."""
+
+    due: int = 0
+    oldest_due: int = 0
+    dispatched: int = 0
+    oldest_dispatched: int = 0
+
+    def add(
+        self, state: str, count: int, due_since: int | None, leased_at: int | None, now: int
+    ) -> None:
+        if state in DUE:
+            self.due += count
+            self.oldest_due = max(self.oldest_due, now - (due_since or now))
+        elif state == State.LEASED.value:
+            self.dispatched += count
+            self.oldest_dispatched = max(self.oldest_dispatched, now - (leased_at or now))
+
+
+def age_rows(queue: PhorgeQueue, now: int) -> list[Any]:
+    """Active rows per (class, state): count, since when the first was due (its lease
+    expiry, else its creation), when the first was leased (its owner's epoch)."""
+    c = active.c
+    state = state_case(now).label("state")
+    query = select(
+        c.taskClass,
+        state,
+        func.count(),
+        func.min(func.coalesce(c.leaseExpires, c.dateCreated)),
+        func.min(case((c.leaseOwner != YIELD_OWNER, owner_epoch(c.leaseOwner)))),
+    ).group_by(c.taskClass, state)
+    with queue.engine.connect() as conn:
+        return list(conn.execute(query))
+
+
+def figures_by_queue(
+    rows: Iterable[Any], now: int, served: Collection[str], router: Router
+) -> dict[str, QueueFigures]:
+    """:func:`age_rows` summed per Celery queue, the served classes only (every queue
+    of ``router`` present, at zero when idle)."""
+    figures = {queue: QueueFigures() for queue in router.queues}
+    for task_class, state, count, due_since, leased_at in rows:
+        if task_class in served:
+            queue = figures.setdefault(router.queue_for(task_class), QueueFigures())
+            queue.add(state, count, due_since, leased_at, now)
+    return figures
+
+
+class QueueCollector:
+    """Gauges of the Phorge queue per class and state, and per served Celery queue,
+    read at each scrape."""
+
+    FIGURES = (
+        ("phorge_bridge_queue_due_tasks", "due", "Served tasks due and not yet dispatched"),
+        (
+            "phorge_bridge_oldest_due_seconds",
+            "oldest_due",
+            "How long the served task due the longest has waited to be dispatched",
+        ),
+        (
+            "phorge_bridge_queue_dispatched_tasks",
+            "dispatched",
+            "Served tasks dispatched and not done: waiting in the broker, or running",
+        ),
+        (
+            "phorge_bridge_oldest_dispatched_seconds",
+            "oldest_dispatched",
+            "Time since the oldest task still dispatched was sent (in the broker, or running)",
+        ),
+    )
+
+    def __init__(self, queue: PhorgeQueue, registry: Registry, router: Router) -> None:
+        self.queue, self.registry, self.router = queue, registry, router
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         stats = self.queue.stats()
         tasks = GaugeMetricFamily(
             "phorge_bridge_queue_tasks",
-            "Phorge tasks per class and state",
+            "Phorge tasks per class and state (archived-*: of the last hour)",
             labels=["task_class", "state"],
         )
         for task_class, states in stats.by_class.items():
             for state, count in states.items():
                 tasks.add_metric([task_class, state], count)
         yield tasks
-        age = GaugeMetricFamily(
-            "phorge_bridge_oldest_queued_seconds", "Age of the oldest queued task"
-        )
-        age.add_metric([], stats.oldest_queued_age or 0)
-        yield age
+        rows = age_rows(self.queue, stats.server_time)
+        served = set(self.registry.runnable({row[0] for row in rows}))
+        figures = figures_by_queue(rows, stats.server_time, served, self.router)
+        for name, field, help_text in self.FIGURES:
+            family = GaugeMetricFamily(name, help_text, labels=["queue"])
+            for queue, figure in figures.items():
+                family.add_metric([queue], getattr(figure, field))
+            yield family
 
 
-def serve(ports: range, address: str, queue: PhorgeQueue, *collectors: Collector) -> int | None:
-    """Expose metrics (aggregated over prefork children when multiprocess mode is on),
-    the queue's gauges and ``collectors``' (read in this process at each scrape), on the
-    first free port of ``ports``; returns it, or None when every one is taken."""
+# -- the exporter ------------------------------------------------------------------------
+
+
+def serve(ports: range, address: str, *collectors: Collector) -> int | None:
+    """Expose the bridge's version and ``collectors``' metrics (read in this process at
+    each scrape) on the first free port of ``ports``; returns it, or None when every
+    one is taken."""
     registry = CollectorRegistry()
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
-        multiprocess.MultiProcessCollector(registry)
-    else:
-        from prometheus_client import REGISTRY
-
-        registry = REGISTRY
-    registry.register(QueueCollector(queue))
+    Info("phorge_bridge_build", "The bridge's version", registry=registry).info(
+        {"version": __version__}
+    )
     for collector in collectors:
         registry.register(collector)
     for port in ports:

@@ -1,6 +1,10 @@
 """Leased rows to Celery messages: one ``bridge.execute`` a task, or, under a backlog,
 ``bridge.execute_batch`` messages carrying several tasks of one queue each (how many:
 ``bridge.engine.poll.batch_size``).
+
+A message's arguments show in Flower as the labels of its tasks, ``('Class#12',)`` or
+``('Class#12', 'Class#13')``: each id is closed by a quote, so :func:`search_term`,
+``#12'``, finds the messages that carried task 12, and not those of 120 or 112.
 """
 
 from __future__ import annotations
@@ -8,13 +12,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery
 from kombu import Queue
 from kombu.utils.uuid import uuid
 
-from bridge.engine.metrics import DISPATCHED
+from bridge.engine.metrics import DISPATCHED, SENT_ON, TASKS_PER_MESSAGE
 from bridge.engine.tracing import TRACEPARENT_HEADER, TaskTrace, new_traceparent, traced
 from bridge.queue.model import Leased
 
@@ -22,6 +27,30 @@ log = logging.getLogger(__name__)
 
 EXECUTE_TASK = "bridge.execute"
 EXECUTE_BATCH = "bridge.execute_batch"
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A message sent: its task name, its Celery id, and the Phorge tasks it carries."""
+
+    name: str
+    message_id: str
+    tasks: Sequence[Leased]
+
+    def __str__(self) -> str:
+        """As Celery's log lines name a message, ``bridge.execute[<id>]``."""
+        return f"{self.name}[{self.message_id}]"
+
+
+def labels_repr(tasks: Sequence[Leased]) -> str:
+    """A message's arguments as Flower shows them: its tasks' labels, each quoted."""
+    return repr(tuple(task.label for task in tasks))
+
+
+def search_term(task_id: int) -> str:
+    """What Flower's search box takes to find every message that carried ``task_id``
+    (its runs, a batch that sent it on, a yield and its later run), and no other."""
+    return f"#{task_id}'"
 
 
 def publish(
@@ -33,16 +62,17 @@ def publish(
     kwargs: dict[str, Any],
     argsrepr: str,
     trace: str,
-) -> None:
-    """Send one message with Celery's own message builder and sender.
+) -> str:
+    """Send one message with Celery's own message builder and sender; returns its id.
 
     ``apply_async`` would cost twice as much a message here: it routes, adds the result to
     the poll's trail and builds an AsyncResult nobody reads. The sender still fires the
     publish signals and, with ``BRIDGE_TASK_EVENTS``, the task-sent events.
     """
     amqp = app.amqp
+    message_id = uuid()
     message = amqp.create_task_message(
-        uuid(),
+        message_id,
         name,
         args,
         kwargs,
@@ -60,17 +90,35 @@ def publish(
         retry=False,  # a refusal hands the unsent leases back (the caller)
         headers={TRACEPARENT_HEADER: trace},
     )
+    return message_id
 
 
 def send(
     app: Celery, owner: str, tasks: Sequence[Leased], queue: str, size: int, mark: bool = False
 ) -> int:
-    """Send ``tasks`` (leased by ``owner``) to ``queue``, ``size`` a message; returns how
-    many were sent before any error. ``mark`` asks the middle message to poll once run
-    (``bridge.engine.poll.Send``, with the app bound)."""
+    """The poll's dispatch (``bridge.engine.poll.Send``, with the app bound): how many of
+    ``tasks`` :func:`send_messages` sent before any error."""
+    messages = send_messages(app, owner, tasks, queue, size, mark)
+    return sum(len(message.tasks) for message in messages)
+
+
+def send_messages(
+    app: Celery,
+    owner: str,
+    tasks: Sequence[Leased],
+    queue: str,
+    size: int,
+    mark: bool = False,
+    sent_on: bool = False,
+) -> list[Sent]:
+    """Send ``tasks`` (leased by ``owner``) to ``queue``, ``size`` a message; returns the
+    messages sent before any error. ``mark`` asks the middle message to poll once run.
+    ``sent_on``: tasks a batch had no time for, counted apart from the poll's dispatches
+    (the batch's result names the messages)."""
     groups = [tasks[at : at + size] for at in range(0, len(tasks), size)]
     marked = len(groups) // 2 if mark else None
     target = app.amqp.queues[queue]
+    messages: list[Sent] = []
     sent = 0
     with app.producer_or_acquire() as producer:
         # Declared once per dispatch: kombu's per-message check binds a copy of the queue
@@ -89,16 +137,21 @@ def send(
             else:
                 name, args = EXECUTE_BATCH, (owner, [list(task) for task in group])
             try:
-                argsrepr = repr(tuple(task.label for task in group))
-                publish(app, producer, target, name, args, kwargs, argsrepr, traceparent)
+                argsrepr = labels_repr(group)
+                message_id = publish(
+                    app, producer, target, name, args, kwargs, argsrepr, traceparent
+                )
             except Exception as exc:
                 log.error("dispatch to %s failed after %d of %d: %s", queue, sent, len(tasks), exc)
                 break
+            messages.append(Sent(name, message_id, group))
             sent += len(group)
+            TASKS_PER_MESSAGE.labels(queue=queue).observe(len(group))
             if log.isEnabledFor(logging.INFO):
                 for task in group:
                     with traced(TaskTrace(task.id, task.task_class, owner, traceparent)):
                         log.info("%s: dispatched to %s", task.label, queue)
-    for task_class, n in Counter(task.task_class for task in tasks[:sent]).items():
-        DISPATCHED.labels(queue=queue, task_class=task_class).inc(n)
-    return sent
+    counter = SENT_ON if sent_on else DISPATCHED
+    for task_class, n in Counter(task.task_class or "unknown" for task in tasks[:sent]).items():
+        counter.labels(queue=queue, task_class=task_class).inc(n)
+    return messages

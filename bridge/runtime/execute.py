@@ -118,7 +118,7 @@ def execute_batch(
             pace = (time.monotonic() - started) / len(batch.ran)
             size = max(1, min(len(rest), int(rt.settings.poll_interval / pace)))
             queue = rt.settings.router.queue_for(rest[0].task_class or "")
-            sent = send(self.app, owner, rest, queue, size)
+            sent = send(self.app, owner, rest, queue, size, sent_on=True)
             if sent < len(rest):
                 rt.queue.free_own([item.id for item in rest[sent:]], owner)
     finally:

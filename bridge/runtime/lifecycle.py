@@ -1,21 +1,31 @@
-"""Worker lifecycle hooks: task tags on log lines, metrics exporter at start, lease
-hand-back at warm shutdown; connected for an app by :func:`install`."""
+"""Worker lifecycle hooks: task tags on log lines, metrics counted across the pool's
+processes and exported at start, lease hand-back at warm shutdown; connected for an app
+by :func:`install`."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 from celery import Celery
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
+    worker_init,
     worker_ready,
     worker_shutting_down,
 )
 from celery.worker import state
 
+from bridge.config import current_settings
 from bridge.engine.context import runtime
-from bridge.engine.metrics import serve
+from bridge.engine.metrics import (
+    MULTIPROC_DIR,
+    ProcessesCollector,
+    QueueCollector,
+    count_across_processes,
+    serve,
+)
 from bridge.engine.tracing import tag_log_lines
 from bridge.queue import Lease
 from bridge.runtime.consumers import ConsumersCollector, ConsumerWatch, survey
@@ -29,14 +39,27 @@ def tag_task_log_lines(logger: logging.Logger, **_kwargs: object) -> None:
     tag_log_lines(logger)
 
 
+def count_in_children(**_kwargs: object) -> None:
+    """A worker that serves metrics counts in files before its pool forks, so that the
+    exporter sees what the prefork children count (without it, it saw nothing)."""
+    if current_settings().metrics_port:
+        directory = count_across_processes()
+        log.debug("metrics: the pool's processes count in %s", directory)
+
+
 def start_metrics(app: Celery) -> None:
     rt = runtime()
     settings = rt.settings
     if settings.metrics_port:
         watch = ConsumerWatch(lambda: survey(app, rt.queue.stats(), rt.registry, settings))
         ports, address = settings.metrics_port, settings.metrics_address
+        collectors = (
+            ProcessesCollector(os.environ[MULTIPROC_DIR]),  # set by count_in_children
+            QueueCollector(rt.queue, rt.registry, settings.router),
+            ConsumersCollector(watch),
+        )
         try:
-            port = serve(ports, address, rt.queue, ConsumersCollector(watch))
+            port = serve(ports, address, *collectors)
         except OSError as exc:
             port, reason = None, exc.strerror
         else:
@@ -87,5 +110,6 @@ def install(app: Celery) -> None:
     """Connect the hooks for workers of ``app``."""
     after_setup_logger.connect(tag_task_log_lines, weak=False)
     after_setup_task_logger.connect(tag_task_log_lines, weak=False)
+    worker_init.connect(count_in_children, weak=False)
     worker_ready.connect(lambda **_: start_metrics(app), weak=False)
     worker_shutting_down.connect(hand_back_leases, weak=False)

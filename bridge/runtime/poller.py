@@ -12,11 +12,13 @@ from typing import Any
 from celery import Celery, Task
 
 from bridge.engine.context import Runtime, runtime
+from bridge.engine.metrics import observed_poll
 from bridge.engine.poll import poll_once
 from bridge.queue.retry import DatabaseUnavailable, is_transient
 from bridge.runtime.consumers import ConsumerWatch, survey
 from bridge.runtime.dispatch import send
 from bridge.runtime.execute import POLL_TASK
+from bridge.runtime.quiet_polls import QuietTask
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,10 @@ def poll(self: Task[Any, Any]) -> int:
     """Beat's periodic poll of Phorge's queue (and the one a marked task asks for)."""
     app = self.app
     try:
-        rt = runtime()
-        sent = poll_once(rt, partial(send, app))
-        watch_consumers(app, rt)
+        with observed_poll():  # its time, its errors, when the last one ended
+            rt = runtime()
+            sent = poll_once(rt, partial(send, app))
+            watch_consumers(app, rt)
     except Exception as exc:
         if not (isinstance(exc, DatabaseUnavailable) or is_transient(exc)):
             raise
@@ -57,5 +60,6 @@ def poll(self: Task[Any, Any]) -> int:
 
 
 def install(app: Celery) -> None:
-    """Register ``bridge.poll`` on ``app`` (beat sends it, see ``celeryconfig``)."""
-    app.task(name=POLL_TASK, bind=True, acks_late=False, ignore_result=True)(poll)
+    """Register ``bridge.poll`` on ``app`` (beat sends it, see ``celeryconfig``), out of
+    Flower's sight (``quiet_polls``)."""
+    app.task(name=POLL_TASK, base=QuietTask, bind=True, acks_late=False, ignore_result=True)(poll)

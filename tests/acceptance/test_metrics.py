@@ -1,12 +1,15 @@
-"""Prometheus metrics of a real prefork worker: outcomes summed over children, queue gauges."""
+"""Prometheus metrics of a real prefork worker started as the README says (no
+PROMETHEUS_MULTIPROC_DIR): outcomes summed over children, poll and queue gauges."""
 
 from __future__ import annotations
 
+import signal
 import socket
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from bridge import __version__
 from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS
 
 
@@ -28,9 +31,10 @@ def samples(url: str) -> dict[tuple[str, frozenset], float]:
 def test_metrics_sum_outcomes_over_children_and_read_the_queue(
     make_bridge, database_url, amqp_url, tmp_path, monkeypatch
 ):
-    multiproc = tmp_path / "prometheus"
-    multiproc.mkdir()
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(multiproc))
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    scratch = tmp_path / "tmp"  # where the worker's private metrics directory goes
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     port = free_port()
     bridge = make_bridge(database_url, amqp_url, METRICS_PORT=str(port))
     ok = bridge.enqueue("PhabricatorTestWorker", {}, count=6)
@@ -57,11 +61,21 @@ def test_metrics_sum_outcomes_over_children_and_read_the_queue(
     assert found[failed] == 1
     queued = frozenset({"task_class": "PhpOnlyWorker", "state": "queued"}.items())
     assert found[("phorge_bridge_queue_tasks", queued)] == 2
-    assert found[("phorge_bridge_oldest_queued_seconds", frozenset())] >= 0
+    default = frozenset({"queue": bridge.default_queue}.items())
+    assert found[("phorge_bridge_queue_due_tasks", default)] == 0  # PHP's two are not ours
+    assert found[("phorge_bridge_oldest_due_seconds", default)] == 0
     dispatched = sum(
         value for (name, _), value in found.items() if name == "phorge_bridge_dispatched_total"
     )
     assert dispatched == 7
+    assert found[("phorge_bridge_build_info", frozenset({"version": __version__}.items()))] == 1
+    assert found[("phorge_bridge_poll_duration_seconds_count", frozenset())] >= 1
+    assert found[("phorge_bridge_last_poll_timestamp_seconds", frozenset())] > 0
+    assert found[("phorge_bridge_conduit_breaker_open", frozenset())] == 0
+
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert list(scratch.iterdir()) == []  # the private directory went with the worker
 
 
 def free_port_pair() -> int:

@@ -631,7 +631,8 @@ def batches(rt, monkeypatch) -> list[tuple[list, int]]:
     sent: list[tuple[list, int]] = []
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
 
-    def send(_app, owner, rest, queue, size) -> int:
+    def send(_app, owner, rest, queue, size, sent_on=False) -> int:
+        assert sent_on, "tasks a batch sends on are counted apart from dispatches"
         sent.append((rest, size))
         return len(rest)
 

@@ -28,7 +28,7 @@ def test_due_rows_count_for_their_queue_and_the_control_queue_only_when_served()
     stats = QueueStats(
         server_time=0,
         by_class={
-            "SearchWorker": {"queued": 2, "expired": 1, "leased": 5},
+            "SearchWorker": {"queued": 2, "lease-expired": 1, "leased": 5},
             "MailWorker": {"queued": 4, "delayed": 3},
             "PhpOnlyWorker": {"queued": 9},  # not served: PHP's business
         },

@@ -1,0 +1,67 @@
+"""The queue's gauges per served Celery queue, read at scrape time, on SQLite and MariaDB:
+due rows apart from dispatched ones, each with its oldest's age, unserved classes left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import update
+
+from bridge.engine.metrics import QueueCollector
+from bridge.handlers.api import Handler, TaskContext
+from bridge.handlers.registry import Registry
+from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue.model import NewTask
+from bridge.queue.schema import worker_activetask as active
+from bridge.routing import Router
+
+SEARCH, MAIL, UNSERVED = "SearchWorker", "MailWorker", "OnlyPhpWorker"
+
+
+class Noop(Handler):
+    task_classes = (SEARCH, MAIL)
+
+    def run(self, task: TaskContext) -> None:
+        pass
+
+
+@pytest.fixture
+def queue(engine) -> Iterator[PhorgeQueue]:
+    queue = PhorgeQueue(make_engine(engine.url.render_as_string(hide_password=False)))
+    yield queue
+    queue.engine.dispose()
+
+
+def age(queue: PhorgeQueue, task_id: int, **columns: int | str) -> None:
+    with queue.engine.begin() as conn:
+        conn.execute(update(active).where(active.c.id == task_id).values(**columns))
+
+
+def test_due_and_dispatched_rows_are_apart_per_served_queue(queue):
+    now = queue.server_time()
+    old_search, _, leased = queue.enqueue_many([NewTask(SEARCH)] * 3)
+    queue.enqueue_many([NewTask(SEARCH, delay_until=now + 600)])
+    [unserved] = queue.enqueue_many([NewTask(UNSERVED)])
+    age(queue, old_search, dateCreated=now - 100)
+    age(queue, unserved, dateCreated=now - 900)  # PHP's: never in the bridge's figures
+    [task] = queue.lease(1, 60, ids=[leased])
+    age(queue, task.id, leaseOwner=f"bridge:1:{now - 40}:host:1")  # leased 40 s ago
+    registry = CollectorRegistry()
+    collector = QueueCollector(queue, Registry([Noop()]), Router(((SEARCH, "search"),), "phorge"))
+    registry.register(collector)
+
+    def value(name: str, queue_name: str) -> float | None:
+        return registry.get_sample_value(name, {"queue": queue_name})
+
+    assert value("phorge_bridge_queue_due_tasks", "search") == 2  # not the delayed one
+    assert 100 <= value("phorge_bridge_oldest_due_seconds", "search") <= 102
+    assert value("phorge_bridge_queue_dispatched_tasks", "search") == 1
+    assert 40 <= value("phorge_bridge_oldest_dispatched_seconds", "search") <= 42
+    for name in ("due_tasks", "dispatched_tasks"):
+        assert value(f"phorge_bridge_queue_{name}", "phorge") == 0  # idle, still a series
+    assert value("phorge_bridge_oldest_due_seconds", "phorge") == 0
+    state = {"task_class": UNSERVED, "state": "queued"}
+    assert registry.get_sample_value("phorge_bridge_queue_tasks", state) == 1
