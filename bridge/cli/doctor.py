@@ -29,6 +29,8 @@ from bridge.phorge.conduit import (
 from bridge.phorge.extension import VERSION_METHOD, shipped_sha256, shipped_version
 from bridge.queue import PhorgeQueue
 from bridge.queue import statements as sql
+from bridge.queue.beat_lock import beat_lock_holder
+from bridge.queue.dialect import is_mysql
 from bridge.queue.retry import WritesRefused
 from bridge.queue.schema import metadata
 
@@ -216,6 +218,23 @@ def check_served_classes(doctor: Doctor) -> Check:
     return Check("served classes", "ok", detail)
 
 
+def check_beat(doctor: Doctor) -> Check:
+    """Some beat holds the beat lock: without one no poll is sent and nothing is leased."""
+    doctor.require("database")
+    assert doctor.settings is not None
+    if not is_mysql(doctor.queue.engine):
+        return Check("beat", "ok", "not checked: SQLite runs one beat, in this process's host")
+    holder = beat_lock_holder(doctor.queue.engine, doctor.settings.owner_prefix)
+    if holder is None:
+        return Check(
+            "beat",
+            "fail",
+            "no beat holds the beat lock, so no poll is sent: start `celery -A bridge beat` "
+            "(or a worker with -B); a second one on another host stands by",
+        )
+    return Check("beat", "ok", f"a beat sends the polls (database connection {holder})")
+
+
 def check_broker(doctor: Doctor) -> Check:
     doctor.require("settings")
     assert doctor.settings is not None
@@ -383,6 +402,7 @@ CHECKS: list[Callable[[Doctor], Check]] = [
     check_database_writes,
     check_task_id_counter,
     check_served_classes,
+    check_beat,
     check_broker,
     check_queue_consumers,
     check_conduit,

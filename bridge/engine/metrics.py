@@ -39,7 +39,8 @@ from sqlalchemy import case, func, select
 
 from bridge._version import __version__
 from bridge.handlers.breaker import CircuitBreaker
-from bridge.queue.dialect import owner_epoch
+from bridge.queue.beat_lock import beat_lock_holder
+from bridge.queue.dialect import is_mysql, owner_epoch
 from bridge.queue.model import YIELD_OWNER, State
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.statements import state_case
@@ -296,8 +297,11 @@ class QueueCollector:
         ),
     )
 
-    def __init__(self, queue: PhorgeQueue, registry: Registry, router: Router) -> None:
+    def __init__(
+        self, queue: PhorgeQueue, registry: Registry, router: Router, owner_prefix: str = "bridge"
+    ) -> None:
         self.queue, self.registry, self.router = queue, registry, router
+        self.owner_prefix = owner_prefix
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         stats = self.queue.stats()
@@ -318,6 +322,15 @@ class QueueCollector:
             for queue, figure in figures.items():
                 family.add_metric([queue], getattr(figure, field))
             yield family
+        if is_mysql(self.queue.engine):  # SQLite runs one beat, in the worker's host
+            beat = GaugeMetricFamily(
+                "phorge_bridge_beat_running",
+                "1 while a beat holds the beat lock and sends the polls, else 0",
+            )
+            beat.add_metric(
+                [], int(beat_lock_holder(self.queue.engine, self.owner_prefix) is not None)
+            )
+            yield beat
 
 
 # -- the exporter ------------------------------------------------------------------------

@@ -91,6 +91,12 @@ def is_mysql(engine: Engine) -> bool:
     return engine.dialect.name in ("mysql", "mariadb")
 
 
+def lock_key(engine: Engine, name: str) -> str:
+    """A named lock's key: named locks are per server, so the database name is part of
+    it (MySQL allows 64 characters)."""
+    return f"phorge-bridge:{engine.url.database}:{name}"[:64]
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine configured for Phorge's tables on MariaDB/MySQL or SQLite."""
     if url.startswith("sqlite"):

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine, Row
 
 from bridge.queue import statements as sql
-from bridge.queue.dialect import is_mysql, make_engine, next_task_ids
+from bridge.queue.dialect import is_mysql, lock_key, make_engine, next_task_ids
 from bridge.queue.model import (
     DEFAULT_LEASE_SECONDS,
     PRIORITY_DEFAULT,
@@ -147,7 +147,7 @@ class PhorgeQueue:
             if not is_mysql(self.engine):
                 yield int(conn.execute(sql.server_time()).scalar_one())
                 return
-            key = f"phorge-bridge:{self.engine.url.database}:{name}"[:64]
+            key = lock_key(self.engine, name)
             got, now = conn.execute(sql.get_lock(key)).one()
             if not got:
                 yield None

@@ -26,6 +26,7 @@ from sqlalchemy import (
     Select,
     String,
     Table,
+    TextClause,
     Update,
     and_,
     bindparam,
@@ -38,6 +39,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    text,
     union_all,
     update,
 )
@@ -702,3 +704,19 @@ def get_lock(name: str) -> Select[Any]:
 
 def release_lock(name: str) -> Select[Any]:
     return select(func.release_lock(name))
+
+
+def lock_held_here(name: str) -> Select[Any]:
+    """Whether this connection holds the named lock ``name`` (0 or 1, never NULL)."""
+    return select(func.coalesce(func.is_used_lock(name) == func.connection_id(), 0))
+
+
+def lock_holder(name: str) -> Select[Any]:
+    """The connection id holding the named lock ``name``, or NULL when none does."""
+    return select(func.is_used_lock(name))
+
+
+def set_idle_timeout(seconds: int) -> TextClause:
+    """How long the server keeps this session while it sends nothing: a lock holder
+    whose host vanished (no FIN) frees its lock after this, not after hours."""
+    return text(f"SET SESSION wait_timeout = {int(seconds)}")

@@ -17,6 +17,7 @@ from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_resul
 from bridge.cli.main import main
 from bridge.phorge.extension import shipped_sha256, shipped_version
 from bridge.queue import PhorgeQueue
+from bridge.queue.beat_lock import BeatLock
 from bridge.queue.schema import metadata
 
 WHOAMI_ADMIN = {"userName": "bridge-bot", "roles": ["verified", "approved", "activated", "admin"]}
@@ -94,7 +95,16 @@ def doctor(phorge, amqp_url, monkeypatch) -> Callable[..., tuple[int, dict[str, 
     return run
 
 
-def test_a_healthy_setup_passes(phorge, doctor):
+@pytest.fixture
+def beat(phorge) -> Iterator[BeatLock]:
+    """A running beat, as far as the database can tell: the holder of the beat lock."""
+    lock = BeatLock(phorge, "bridge")
+    assert lock.held()
+    yield lock
+    lock.close()
+
+
+def test_a_healthy_setup_passes(phorge, doctor, beat):
     with phorge.begin() as conn:
         conn.exec_driver_sql("INSERT INTO lisk_counter VALUES ('worker_activetask', 7)")
     with FakeServer(healthy_conduit) as conduit:
@@ -107,6 +117,7 @@ def test_a_healthy_setup_passes(phorge, doctor):
         "tables",
         "task id counter",
         "served classes",
+        "beat",
         "broker",
         "conduit",
         "conduit token",
@@ -116,6 +127,20 @@ def test_a_healthy_setup_passes(phorge, doctor):
     }
     assert "administrator 'bridge-bot'" in checks["conduit token"]["detail"]
     assert checks["extension"]["detail"] == f"version {shipped_version()}, current"
+
+
+def test_no_beat_fails_naming_it_and_a_beat_passes(phorge, doctor):
+    code, checks = doctor()
+    assert code == 1
+    assert checks["beat"]["status"] == "fail"
+    assert "no beat holds the beat lock" in checks["beat"]["detail"]
+    lock = BeatLock(phorge, "bridge")
+    try:
+        assert lock.held()
+        _, checks = doctor()
+        assert checks["beat"]["status"] == "ok", checks["beat"]
+    finally:
+        lock.close()
 
 
 def test_served_classes_and_those_left_to_php_are_named(phorge, doctor):

@@ -14,6 +14,7 @@ from bridge.engine.metrics import QueueCollector
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.registry import Registry
 from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue.beat_lock import BeatLock
 from bridge.queue.model import NewTask
 from bridge.queue.schema import worker_activetask as active
 from bridge.routing import Router
@@ -65,3 +66,18 @@ def test_due_and_dispatched_rows_are_apart_per_served_queue(queue):
     assert value("phorge_bridge_oldest_due_seconds", "phorge") == 0
     state = {"task_class": UNSERVED, "state": "queued"}
     assert registry.get_sample_value("phorge_bridge_queue_tasks", state) == 1
+
+
+@pytest.mark.mariadb
+def test_the_beat_gauge_says_whether_a_beat_sends_the_polls(mysql_engine):
+    queue = PhorgeQueue(mysql_engine)
+    registry = CollectorRegistry()
+    registry.register(QueueCollector(queue, Registry([Noop()]), Router((), "phorge")))
+    assert registry.get_sample_value("phorge_bridge_beat_running") == 0
+    lock = BeatLock(mysql_engine, "bridge")
+    try:
+        assert lock.held()
+        assert registry.get_sample_value("phorge_bridge_beat_running") == 1
+    finally:
+        lock.close()
+    assert registry.get_sample_value("phorge_bridge_beat_running") == 0
