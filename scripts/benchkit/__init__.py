@@ -4,6 +4,8 @@ Modules, in the order a run uses them: ``mariadb`` (the private durable server),
 ``phorgedb`` (Phorge's tables, enqueue, progress), ``rabbit`` (the broker), ``hook`` and
 ``records`` (what the measured processes record about themselves), ``procs`` (process
 groups and CPU), ``consumers`` (the bridge, the reference taskmaster, phd), ``ceilings``,
-``runner`` (one measured run), ``report`` (markdown) and ``cli`` (the plan). Its own tests
-are in ``tests/``, run with the product's (``testpaths`` in pyproject.toml).
+``runner`` (one measured run), ``brokers`` (SQLite and Redis for issue 21's runs),
+``priority`` and ``unserved`` (issue 21's runs), ``report`` (markdown), ``plan`` (the
+scenarios) and ``cli``. Its own tests are in ``tests/``, run with the product's
+(``testpaths`` in pyproject.toml).
 """

@@ -22,12 +22,25 @@ from typing import Any
 
 import MySQLdb
 
-from benchkit import ceilings, machine, mariadb, phorge, phorgedb, plan, procs, rabbit
+from benchkit import (
+    brokers,
+    ceilings,
+    machine,
+    mariadb,
+    phorge,
+    phorgedb,
+    plan,
+    priority,
+    procs,
+    rabbit,
+    unserved,
+)
 from benchkit.consumers import REPO, Bridge, Consumer, Phd, ReferenceTaskmaster
 from benchkit.plan import Scenario, Sizes
 from benchkit.procs import BenchError
+from benchkit.rabbit import Broker
 from benchkit.report import Context, Report, Result
-from benchkit.runner import Runner
+from benchkit.runner import NOOP, Runner
 
 DDL = REPO / "tests" / "reference" / "phorge-worker-schema.sql"
 
@@ -49,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="bench-report.md", help="report file (bench-report.md)")
     parser.add_argument("--port", type=int, default=3309, help="port of the bench's MariaDB")
+    parser.add_argument(
+        "--redis-port", type=int, default=6390, help="port of the bench's Redis (6390)"
+    )
     parser.add_argument("--quick", action="store_true", help="few tasks, fewer scenarios")
     parser.add_argument(
         "--only",
@@ -66,22 +82,35 @@ class Bench:
 
     scratch: Path
     server: mariadb.Server
-    broker: rabbit.Broker
+    broker: Broker
     conn: MySQLdb.Connection
     runner: Runner
     tuned: dict[str, str]
     log: Log
+    sizes: Sizes
     phd_env: dict[str, str] | None = None
     phorge_root: Path | None = None
     phd_error: str = ""
+    redis: Broker | None = None  # the bench's own Redis, if installed and needed
+
+    def broker_for(self, s: Scenario) -> Broker:
+        """The scenario's broker: RabbitMQ, the bench's Redis or a new SQLite file."""
+        if s.broker == plan.SQLITE:
+            return brokers.sqlite(self.scratch)
+        if s.broker == plan.REDIS:
+            if self.redis is None:
+                raise BenchError("the bench's Redis did not start (see the log)")
+            return self.redis
+        return self.broker
 
     def consumer(self, s: Scenario) -> Consumer:
         name = s.name
         if s.kind == "bridge":
             overrides = self.tuned if s.settings == "tuned" else {}
             return Bridge(
-                name, self.scratch, server=self.server, broker=self.broker, overrides=overrides,
-                pool=s.pool, concurrency=s.concurrency,
+                name, self.scratch, server=self.server, broker=self.broker_for(s),
+                overrides=overrides, pool=s.pool, concurrency=s.concurrency,
+                beat_in_worker=s.beat_in_worker, own_queues=s.workload.measure == "priority",
             )  # fmt: skip
         if s.kind == "taskmaster":
             return ReferenceTaskmaster(
@@ -123,11 +152,20 @@ class Bench:
         consumer = self.consumer(s)
         try:
             consumer.start()
+            warm_up = s.workload if s.workload.measure == "throughput" else NOOP
             if s.kind != "ceiling-sql":  # the loop warms itself and runs one batch only
-                self.runner.warm_up(consumer, s.workload, max(10, 2 * s.concurrency))
+                self.runner.warm_up(consumer, warm_up, max(10, 2 * s.concurrency))
             if s.light:
                 result.light = self.runner.light(consumer, s.workload, s.light)
-            result.throughput = self.runner.throughput(consumer, s.workload, s.tasks)
+            if s.workload.measure == "priority":
+                result.priority = priority.run(self.conn, consumer, s.workload, s.tasks, self.log)
+            elif s.workload.measure == "unserved":
+                result.unserved = unserved.run(
+                    self.conn, self.runner, consumer, s.workload, s.tasks, self.sizes.unserved,
+                    self.log,
+                )  # fmt: skip
+            else:
+                result.throughput = self.runner.throughput(consumer, s.workload, s.tasks)
         except BenchError as exc:
             raise BenchError(f"{exc}{consumer.diagnose()}{consumer.log_tails()}") from None
         finally:
@@ -137,8 +175,17 @@ class Bench:
 def summary(result: Result) -> str:
     if result.error:
         return "FAILED: " + result.error.splitlines()[0][:200]
-    if result.throughput and result.throughput.problems:
-        return "FAILED: " + "; ".join(result.throughput.problems)
+    problems = result.problems
+    if problems:
+        return "FAILED: " + "; ".join(problems)
+    if result.priority and result.priority.to_archive:
+        spread = result.priority.to_archive
+        return f"urgent enqueue to archive p50 {spread.p50:.2f} s, max {spread.max:.2f} s"
+    if result.unserved:
+        run = result.unserved
+        return (
+            f"{run.behind.rate:,.0f} tasks/s behind, {run.alone.rate:,.0f} alone ({run.ratio:.2f}x)"
+        )
     return f"{result.rate:,.0f} tasks/s" if result.rate else "no figure"
 
 
@@ -153,7 +200,8 @@ def main(tuned: dict[str, str], argv: list[str] | None = None) -> int:
     root = os.environ.get("PHORGE_ROOT")  # a Phorge checkout with arcanist beside it: phd too
     phorge_root = Path(root).resolve() if root else None
     only = [p.strip() for p in args.only.split(",") if p.strip()]
-    scenarios = plan.build(sizes, phorge_root is not None, only)
+    available = tuple(b for b in plan.BROKERS if b != plan.REDIS or brokers.redis_installed())
+    scenarios = plan.build(sizes, phorge_root is not None, only, available)
     if args.list or not scenarios:
         print("\n".join(s.name for s in scenarios) or "no scenario matches --only")
         return 0 if scenarios else 2
@@ -163,7 +211,7 @@ def main(tuned: dict[str, str], argv: list[str] | None = None) -> int:
     context = Context(facts={}, tuned=dict(tuned))
     try:
         with ExitStack() as stack:
-            bench = set_up(stack, args, tuned, log, context, phorge_root, scenarios)
+            bench = set_up(stack, args, tuned, sizes, log, context, phorge_root, scenarios)
             results = [bench.run(s) for s in scenarios]
             context.duration = time.monotonic() - log.started
             log("stopping the servers")
@@ -191,6 +239,7 @@ def set_up(
     stack: ExitStack,
     args: argparse.Namespace,
     tuned: dict[str, str],
+    sizes: Sizes,
     log: Log,
     context: Context,
     phorge_root: Path | None,
@@ -208,6 +257,13 @@ def set_up(
     server = stack.enter_context(mariadb.private_server(args.port, scratch))
     conn = server.connect()
     stack.callback(conn.close)
+    redis = None
+    if any(s.broker == plan.REDIS for s in scenarios):
+        log(f"starting the bench's Redis on 127.0.0.1:{args.redis_port}")
+        redis = stack.enter_context(brokers.private_redis(args.redis_port, scratch))
+        context.notes.append(
+            f"Redis: the bench's own on port {args.redis_port}, in memory (no persistence)."
+        )
     phd_env, phd_error = None, ""
     if phorge_root and any(s.kind == "phd" for s in scenarios):
         try:
@@ -225,4 +281,7 @@ def set_up(
     )
     context.facts = machine.describe(conn, REPO)
     runner = Runner(conn, server.proc.pid, log)
-    return Bench(scratch, server, broker, conn, runner, tuned, log, phd_env, phorge_root, phd_error)
+    return Bench(
+        scratch, server, broker, conn, runner, tuned, log, sizes, phd_env, phorge_root,
+        phd_error, redis,
+    )  # fmt: skip

@@ -98,16 +98,19 @@ def hooked_env(directory: Path, extra_path: list[Path]) -> dict[str, str]:
     return env
 
 
-def bridge_settings(server: Server, broker: Broker, overrides: dict[str, str]) -> dict[str, str]:
+def bridge_settings(
+    server: Server, broker: Broker, overrides: dict[str, str], own_queues: bool = False
+) -> dict[str, str]:
     """``BRIDGE_*`` for one deployment: the two URLs, then the overrides.
 
-    On a shared vhost (no private one could be made) the queues get names of their own.
+    On a shared vhost (no private one could be made), or when told (a run that stops with
+    messages queued), the queues get names of their own.
     """
     settings = {
         "BRIDGE_DATABASE_URL": server.url(DATABASE),
         "BRIDGE_BROKER_URL": broker.url,
     }
-    if broker.vhost is None:
+    if broker.vhost is None or own_queues:
         suffix = secrets.token_hex(4)
         settings["BRIDGE_DEFAULT_QUEUE"] = f"bench-{suffix}"
         settings["BRIDGE_CONTROL_QUEUE"] = f"bench-control-{suffix}"
@@ -126,13 +129,16 @@ def wait_ready_files(consumer: Consumer, ready: Path, count: int) -> None:
 
 @dataclass
 class Bridge(Consumer):
-    """``celery -A bridge beat`` plus ONE ``celery -A bridge worker -Q control,default``."""
+    """``celery -A bridge beat`` plus ONE ``celery -A bridge worker -Q control,default``,
+    or with ``beat_in_worker`` the README's one ``celery -A bridge worker -B``."""
 
     server: Server | None = None
     broker: Broker | None = None
     overrides: dict[str, str] = field(default_factory=dict)
     pool: str = "prefork"
     concurrency: int = 1
+    beat_in_worker: bool = False
+    own_queues: bool = False
 
     def start(self) -> None:
         assert self.server is not None and self.broker is not None
@@ -140,31 +146,35 @@ class Bridge(Consumer):
         directory = self.workdir("bridge-")
         env = hooked_env(directory, [REPO])
         env[hook.BRIDGE_RUNS_ENV] = "1"
-        settings = bridge_settings(self.server, self.broker, self.overrides)
+        settings = bridge_settings(self.server, self.broker, self.overrides, self.own_queues)
         env.update(settings)
         interval = settings.get("BRIDGE_POLL_INTERVAL", bridge_api.DEFAULT_POLL_INTERVAL)
         self.cycle = float(interval)
-        queues = ",".join(
-            (
-                settings.get("BRIDGE_CONTROL_QUEUE", "bridge.control"),
-                settings.get("BRIDGE_DEFAULT_QUEUE", "phorge"),
-            )
-        )
         celery = [sys.executable, "-m", "celery", "-A", bridge_api.CELERY_APP]
-        beat = procs.start(
-            "beat",
-            [*celery, "beat", "-l", "WARNING", "--schedule", str(directory / "beat-schedule")],
-            env=env,
-            cwd=REPO,
-            log=directory / "beat.log",
-        )
-        self.roles["beat"] = [beat]
+        if self.beat_in_worker:
+            consume = ["-B"]  # and every queue the bridge declares: control and default
+        else:
+            beat = procs.start(
+                "beat",
+                [*celery, "beat", "-l", "WARNING", "--schedule", str(directory / "beat-schedule")],
+                env=env,
+                cwd=REPO,
+                log=directory / "beat.log",
+            )
+            self.roles["beat"] = [beat]
+            queues = ",".join(
+                (
+                    settings.get("BRIDGE_CONTROL_QUEUE", "bridge.control"),
+                    settings.get("BRIDGE_DEFAULT_QUEUE", "phorge"),
+                )
+            )
+            consume = ["-Q", queues]
         node = f"bench-{secrets.token_hex(3)}@%h"
         pool = ["-P", self.pool] if self.pool != "prefork" else []
         options = ["-c", str(self.concurrency), *pool, "-n", node, "-l", "WARNING"]
         worker = procs.start(
             "worker",
-            [*celery, "worker", "-Q", queues, *options],
+            [*celery, "worker", *consume, *options],
             env=env,
             cwd=REPO,
             log=directory / "worker.log",

@@ -1,8 +1,12 @@
 """Which scenarios a run measures, named so that ``--only`` can pick them with globs.
 
 Names: ``ceiling-celery``, ``ceiling-sql``, ``taskmaster-<workload>-p<N>``,
-``phd-<workload>-p<N>``, ``bridge-<default|tuned>-<workload>-<c|t><N>`` (``c``: prefork
-processes, ``t``: threads), workloads ``noop``, ``10ms``, ``io50``.
+``phd-<workload>-p<N>``, ``bridge-<default|tuned>-<workload>-<c|t><N>[-<broker>]`` (``c``:
+prefork processes, ``t``: threads), workloads ``noop``, ``10ms``, ``io50`` and issue 21's
+``priority``, ``priority-1s`` and ``unserved``. The throughput workloads' bridge runs on
+the bench's RabbitMQ with a separate beat; issue 21's as the README starts it, ``celery -A
+bridge worker -B``, on the embedded SQLite broker unless the name ends in ``-redis`` or
+``-rabbitmq``.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from benchkit.runner import IO50, NOOP, SLEEP10, Workload
+from benchkit.runner import IO50, NOOP, PRIORITY, PRIORITY_1S, SLEEP10, UNSERVED, Workload
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,10 @@ class Sizes:
     threads: tuple[int, ...] = (8, 16, 32)
     taskmasters: tuple[int, ...] = (1, 2)
     ceiling_concurrency: int = 4
+    backlog: int = 3000  # 50 ms tasks ahead of the urgent ones
+    backlog_1s: int = 200
+    unserved: int = 300_000  # rows left to PHP, queued ahead of ...
+    served: int = 3000  # ... the no-op rows the bridge drains
 
 
 QUICK = Sizes(
@@ -46,7 +54,15 @@ QUICK = Sizes(
     noop_threads=(),
     threads=(16,),
     taskmasters=(1,),
+    backlog=300,
+    backlog_1s=20,
+    unserved=30_000,
+    served=300,
 )
+
+SQLITE, REDIS, RABBITMQ = "sqlite", "redis", "rabbitmq"
+BROKERS = (SQLITE, REDIS, RABBITMQ)
+DEFAULT_BROKER = SQLITE  # the README's: BRIDGE_BROKER_URL's default
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,8 @@ class Scenario:
     settings: str = ""  # bridge: "default" or "tuned"
     pool: str = "prefork"
     concurrency: int = 1  # bridge: -c; taskmaster/phd: processes
+    broker: str = RABBITMQ  # bridge: SQLITE, REDIS or RABBITMQ
+    beat_in_worker: bool = False  # bridge: ``worker -B`` (the README) or a beat of its own
 
     @property
     def deployment(self) -> str:
@@ -108,8 +126,45 @@ def bridge(sizes: Sizes) -> list[Scenario]:
     return found
 
 
-def build(sizes: Sizes, with_phd: bool, only: list[str]) -> list[Scenario]:
-    """Every scenario in running order (references and ceilings first), filtered."""
+def issue21(sizes: Sizes, with_phd: bool, brokers: tuple[str, ...]) -> list[Scenario]:
+    """Urgent tasks behind a backlog, and served rows behind unserved ones: the reference
+    taskmaster and phd (one process each, as the issue measured), then the bridge as the
+    README starts it, on every broker for the 50 ms backlog and the unserved rows."""
+    kinds = ("taskmaster", "phd") if with_phd else ("taskmaster",)
+    backlogs = ((PRIORITY, sizes.backlog), (PRIORITY_1S, sizes.backlog_1s))
+    found = [
+        Scenario(f"{kind}-{workload.key}-p1", kind, workload, tasks)
+        for workload, tasks in backlogs
+        for kind in kinds
+    ]
+    bridges = [
+        (PRIORITY, sizes.backlog, "prefork", 2, brokers),
+        (PRIORITY_1S, sizes.backlog_1s, "prefork", 2, (DEFAULT_BROKER,)),
+        (PRIORITY_1S, sizes.backlog_1s, "threads", 8, (DEFAULT_BROKER,)),
+        (UNSERVED, sizes.served, "prefork", 2, brokers),
+    ]
+    for workload, tasks, pool, n, on in bridges:
+        letter = "t" if pool == "threads" else "c"
+        for broker in on:
+            suffix = "" if broker == DEFAULT_BROKER else f"-{broker}"
+            found.append(
+                Scenario(
+                    f"bridge-default-{workload.key}-{letter}{n}{suffix}", "bridge", workload,
+                    tasks, settings="default", pool=pool, concurrency=n, broker=broker,
+                    beat_in_worker=True,
+                )
+            )  # fmt: skip
+    return found
+
+
+def build(
+    sizes: Sizes,
+    with_phd: bool,
+    only: list[str],
+    brokers: tuple[str, ...] = BROKERS,
+) -> list[Scenario]:
+    """Every scenario in running order (references and ceilings first, issue 21's last),
+    filtered; ``brokers`` are those this machine has."""
     scenarios = [
         Scenario(
             "ceiling-celery",
@@ -122,6 +177,7 @@ def build(sizes: Sizes, with_phd: bool, only: list[str]) -> list[Scenario]:
         *references("taskmaster", sizes),
         *(references("phd", sizes) if with_phd else []),
         *bridge(sizes),
+        *issue21(sizes, with_phd, brokers),
     ]
     if only:
         scenarios = [s for s in scenarios if any(fnmatch.fnmatch(s.name, p) for p in only)]

@@ -9,7 +9,15 @@ from textwrap import indent
 
 from benchkit.ceilings import CeilingResult
 from benchkit.plan import Scenario
+from benchkit.priority import BACKLOG_PRIORITY, PriorityRun, Spread, Urgent
 from benchkit.runner import IO50, NOOP, SLEEP10, Latency, Percentiles, Throughput, Workload
+from benchkit.unserved import (
+    ROUNDS,
+    SERVED_PRIORITY,
+    UNSERVED_CLASS,
+    UNSERVED_PRIORITY,
+    UnservedRun,
+)
 
 HOW_TO_READ = """\
 **How to read this.** Every consumer drains the same Phorge queue
@@ -50,8 +58,18 @@ class Result:
     throughput: Throughput | None = None
     ceiling: CeilingResult | None = None
     light: Latency | None = None
+    priority: PriorityRun | None = None
+    unserved: UnservedRun | None = None
     error: str | None = None
     wall: float = 0.0  # seconds the whole scenario took, start-up included
+
+    @property
+    def problems(self) -> list[str]:
+        """What went wrong with the tasks of the measured drains (not the error)."""
+        problems = list(self.throughput.problems) if self.throughput else []
+        if self.unserved:
+            problems += self.unserved.alone.problems + self.unserved.behind.problems
+        return problems
 
     @property
     def rate(self) -> float | None:
@@ -153,6 +171,8 @@ class Report:
             *self.per_workload(self.latency_table),
             "## Cost per archived task",
             *self.per_workload(self.cost_table),
+            self.priority_table(),
+            self.unserved_table(),
             self.failures(),
         ]
         return "\n\n".join(p for p in parts if p) + "\n"
@@ -167,10 +187,22 @@ class Report:
             "bridge.control,phorge` (the poll runs on the control queue in that worker); "
             "prefork for the no-op and 10 ms workloads, `-P threads` for 50 ms.",
             "- every consumer is warmed up with a small batch first (not measured).",
+            *self.readme_deployment(),
             *(f"- {note}" for note in self.context.notes),
             f"- whole bench: {self.context.duration / 60:.1f} min.",
         ]
         return "\n".join(lines)
+
+    def readme_deployment(self) -> list[str]:
+        """How issue 21's bridge runs differ from the throughput runs, if any ran."""
+        if not any(r.scenario.beat_in_worker for r in self.results):
+            return []
+        return [
+            "- issue 21's bridge runs (priority, unserved): ONE `celery -A bridge worker -B` "
+            "as the README starts it, default settings, on the broker their table names "
+            "(SQLite: a new file per run); the priority runs, which stop with messages "
+            "queued, get queue names of their own; warmed up with no-op tasks."
+        ]
 
     def per_workload(self, build: Callable[[Workload], str | None]) -> list[str]:
         sections = []
@@ -280,10 +312,52 @@ class Report:
         )
         return note + "\n\n" + table(headers, rows)
 
+    def priority_table(self) -> str | None:
+        rows = [priority_row(r) for r in self.results if r.scenario.workload.measure == "priority"]
+        if not rows:
+            return None
+        urgent = Urgent()
+        note = (
+            f"Issue 21. A backlog queued in one transaction at priority {BACKLOG_PRIORITY}; "
+            f"{urgent.head_start:.0f} s after the consumer archived its first row of it, "
+            f"{urgent.count} tasks `{urgent.data_json}` at priority {urgent.priority}, one every "
+            f"{urgent.every} s, each in its own transaction. Seconds from each urgent "
+            "task's enqueue COMMIT to its archive (the bench watches the archive every "
+            "10 ms) and to its start (the archive minus the row's `duration`), the same "
+            "for every consumer. The bridge runs as the README starts it, `celery -A "
+            "bridge worker -B`, with default settings. *backlog done*: backlog tasks "
+            "archived when the last urgent one was seen."
+        )
+        headers = [
+            "consumer", "broker", "backlog", "first archive (s)", "to start p50", "to start max",
+            "to archive p50", "to archive max", "backlog done",
+        ]  # fmt: skip
+        return "## Priority under a backlog\n\n" + note + "\n\n" + table(headers, rows)
+
+    def unserved_table(self) -> str | None:
+        found = [r for r in self.results if r.scenario.workload.measure == "unserved"]
+        rows = [unserved_row(r) for r in found if r.unserved]
+        if not rows:
+            return None
+        note = (
+            f"Issue 21. The same consumer drains the same number of no-op rows (priority "
+            f"{SERVED_PRIORITY}) {ROUNDS} times alone, then {ROUNDS} times behind rows of "
+            f"`{UNSERVED_CLASS}` (no handler: left to PHP) at priority {UNSERVED_PRIORITY}, "
+            "queued with INSERT ... SELECT from `seq_1_to_N` and ANALYZE. Tasks/s and CPU "
+            "(ms per archived task) are over all drains of a kind, each drain's tasks/s in "
+            "parentheses; *ratio*: tasks/s behind over alone."
+        )
+        headers = [
+            "consumer", "broker", "served", "unserved", "alone tasks/s", "behind tasks/s",
+            "ratio", "MariaDB CPU alone", "MariaDB CPU behind", "worker CPU alone",
+            "worker CPU behind",
+        ]  # fmt: skip
+        return "## Served rows behind unserved ones\n\n" + note + "\n\n" + table(headers, rows)
+
     def failures(self) -> str:
         items = []
         for r in self.results:
-            problems = list(r.throughput.problems) if r.throughput else []
+            problems = r.problems
             if r.error:
                 problems.append(r.error)
             for problem in problems:
@@ -320,4 +394,47 @@ def cost_row(r: Result) -> list[str]:
         ms(t.poller_cpu / n, 2) if t.poller_cpu is not None else "-",
         ms(t.db_cpu / n, 2),
         ms(t.broker_cpu / n, 2) if t.broker_cpu is not None else "n/a",
+    ]
+
+
+def seconds(spread: Spread | None, which: str) -> str:
+    return "n/a" if spread is None else number(getattr(spread, which), 2)
+
+
+def consumer_columns(s: Scenario) -> list[str]:
+    return [label(s), s.broker if s.kind == "bridge" else "-"]
+
+
+def priority_row(r: Result) -> list[str]:
+    run = r.priority
+    if run is None:
+        return [*consumer_columns(r.scenario), str(r.scenario.tasks), *["failed"] * 6]
+    return [
+        *consumer_columns(r.scenario),
+        f"{run.backlog} x {r.scenario.workload.data_json}",
+        number(run.first_archive, 2),
+        seconds(run.to_start, "p50"),
+        seconds(run.to_start, "max"),
+        f"**{seconds(run.to_archive, 'p50')}**",
+        f"**{seconds(run.to_archive, 'max')}**",
+        str(run.backlog_archived),
+    ]
+
+
+def unserved_row(r: Result) -> list[str]:
+    run = r.unserved
+    assert run is not None
+    drains = (run.alone, run.behind)
+
+    def cpu(of: Callable[[Throughput], float]) -> list[str]:
+        return [ms(d.per_task(of), 2) for d in drains]
+
+    return [
+        *consumer_columns(r.scenario),
+        f"{len(run.alone.runs)} x {run.alone.runs[0].tasks}",
+        f"{run.rows:,}",
+        *(f"{number(d.rate)} ({' / '.join(number(t.rate) for t in d.runs)})" for d in drains),
+        f"**{run.ratio:.2f}x**",
+        *cpu(lambda t: t.db_cpu),
+        *cpu(lambda t: t.cpu.get("workers", 0.0)),
     ]

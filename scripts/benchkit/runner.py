@@ -39,6 +39,7 @@ class Workload:
     key: str  # used in scenario names
     label: str
     data: dict[str, float]
+    measure: str = "throughput"  # or "priority", "unserved": what a run of it measures
 
     @property
     def data_json(self) -> str:
@@ -48,6 +49,11 @@ class Workload:
 NOOP = Workload("noop", "no-op", {})
 SLEEP10 = Workload("10ms", "10 ms sleep", {"duration": 0.01})
 IO50 = Workload("io50", "50 ms I/O-bound", {"duration": 0.05})
+# Issue 21: urgent tasks behind a backlog of these (``priority``), and served no-op rows
+# behind rows the bridge does not serve (``unserved``).
+PRIORITY = Workload("priority", "backlog of 50 ms tasks", {"duration": 0.05}, "priority")
+PRIORITY_1S = Workload("priority-1s", "backlog of 1 s tasks", {"duration": 1.0}, "priority")
+UNSERVED = Workload("unserved", "no-op behind unserved rows", {}, "unserved")
 
 
 @dataclass(frozen=True)
@@ -187,7 +193,13 @@ class Runner:
     def _execution(records: list[Record], consumer: Consumer, task_id: int) -> Record:
         return next(r for r in records if r.name == consumer.execute_name and r.task_id == task_id)
 
-    def throughput(self, consumer: Consumer, workload: Workload, count: int) -> Throughput:
+    def throughput(
+        self,
+        consumer: Consumer,
+        workload: Workload,
+        count: int,
+        priority: int = phorgedb.PRIORITY_DEFAULT,
+    ) -> Throughput:
         """All ``count`` tasks in one transaction; the figures of the run until all archived."""
         consumer.check()
         cpu_before, db_before = consumer.cpu(), procs.process_cpu(self.db_pid)
@@ -196,7 +208,7 @@ class Runner:
         machine_before, bench_before = procs.MachineCPU.sample(), time.process_time()
         server_before = ServerSample.take(self.conn)
         since = time.time()
-        batch = phorgedb.enqueue(self.conn, count, workload.data_json)
+        batch = phorgedb.enqueue(self.conn, count, workload.data_json, priority)
         consumer.released()
         interval = POLL_WITH_RECORDS if consumer.records is not None else POLL_NO_RECORDS
         seen = self.wait_archived(consumer, batch, interval)
