@@ -9,9 +9,10 @@ from celery import Celery
 
 def install(app: Celery) -> None:
     """Register the bridge's tasks, signals and worker options on ``app``."""
-    from bridge.runtime import execute, lifecycle, liveness, poller
+    from bridge.runtime import execute, lifecycle, liveness, poller, quiet_polls
 
     execute.install(app)
     poller.install(app)
+    quiet_polls.install()
     lifecycle.install(app)
     liveness.install(app)

@@ -2,9 +2,11 @@
 ``bridge.execute_batch`` messages carrying several tasks of one queue each (how many:
 ``bridge.engine.poll.batch_size``).
 
-A message's arguments show in Flower as the labels of its tasks, ``('Class#12',)`` or
-``('Class#12', 'Class#13')``: each id is closed by a quote, so :func:`search_term`,
-``#12'``, finds the messages that carried task 12, and not those of 120 or 112.
+Flower shows a message's arguments as its tasks' labels, ``('Class#12', 'Class#13')``,
+and its keyword arguments as their ids and classes, ``{12: 'Class', 13: 'Class'}``,
+which Flower's search matches as exact pairs: :func:`search_term`, ``kwargs:12=Class``,
+finds the messages that carried task 12 and not those of 120 or 112 (a substring of
+the label, ``Class#12``, would).
 """
 
 from __future__ import annotations
@@ -43,14 +45,20 @@ class Sent:
 
 
 def labels_repr(tasks: Sequence[Leased]) -> str:
-    """A message's arguments as Flower shows them: its tasks' labels, each quoted."""
+    """A message's arguments as Flower shows them: its tasks' labels."""
     return repr(tuple(task.label for task in tasks))
 
 
-def search_term(task_id: int) -> str:
-    """What Flower's search box takes to find every message that carried ``task_id``
-    (its runs, a batch that sent it on, a yield and its later run), and no other."""
-    return f"#{task_id}'"
+def ids_repr(tasks: Sequence[Leased]) -> str:
+    """A message's keyword arguments as Flower shows them: each task's id and class,
+    the pairs :func:`search_term` finds."""
+    return repr({task.id: task.task_class or "" for task in tasks})
+
+
+def search_term(task: Leased) -> str:
+    """What Flower's search box takes to find every message that carried ``task`` (its
+    runs, the batch that sent it on, a yield and its later run), and no other."""
+    return f"kwargs:{task.id}={task.task_class or ''}"
 
 
 def publish(
@@ -61,6 +69,7 @@ def publish(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     argsrepr: str,
+    kwargsrepr: str,
     trace: str,
 ) -> str:
     """Send one message with Celery's own message builder and sender; returns its id.
@@ -79,7 +88,7 @@ def publish(
         create_sent_event=app.conf.task_send_sent_event,
         ignore_result=True,
         argsrepr=argsrepr,
-        kwargsrepr="{}",
+        kwargsrepr=kwargsrepr,
     )
     amqp.send_task_message(
         producer,
@@ -137,10 +146,8 @@ def send_messages(
             else:
                 name, args = EXECUTE_BATCH, (owner, [list(task) for task in group])
             try:
-                argsrepr = labels_repr(group)
-                message_id = publish(
-                    app, producer, target, name, args, kwargs, argsrepr, traceparent
-                )
+                reprs = labels_repr(group), ids_repr(group)
+                message_id = publish(app, producer, target, name, args, kwargs, *reprs, traceparent)
             except Exception as exc:
                 log.error("dispatch to %s failed after %d of %d: %s", queue, sent, len(tasks), exc)
                 break

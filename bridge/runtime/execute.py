@@ -1,20 +1,26 @@
 """``bridge.execute`` and ``bridge.execute_batch``: the Celery tasks that hand leased
 Phorge tasks to the engine (``bridge.engine.batch``) and report how they ended as
 Celery states, registered on an app by :func:`install`.
+
+A message's state is how it ended, not the Phorge task's: a yield is a SUCCESS whose
+result says when the task is due again and how to find its next run, a new message,
+in Flower (``dispatch.search_term``); a batch's result names each task's outcome and the
+messages it sent the rest on in.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
-from typing import TYPE_CHECKING, Any, cast
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from celery import Celery, Task
-from celery.exceptions import Retry
 from celery.signals import task_postrun, task_prerun
 
 from bridge.engine.batch import Batch
 from bridge.engine.context import runtime
+from bridge.engine.run import Ran
 from bridge.engine.tracing import (
     TRACEPARENT_HEADER,
     TaskTrace,
@@ -31,14 +37,16 @@ from bridge.errors import (
     TaskFailedPermanently,
     TaskNotDone,
     TaskNotServed,
-    TaskYielded,
 )
 from bridge.queue import Outcome
 from bridge.queue.model import Leased
-from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, send
-
-if TYPE_CHECKING:
-    from numbers import Real
+from bridge.runtime.dispatch import (
+    EXECUTE_BATCH,
+    EXECUTE_TASK,
+    Sent,
+    search_term,
+    send_messages,
+)
 
 POLL_TASK = "bridge.poll"
 
@@ -50,6 +58,9 @@ NOT_DONE: dict[Outcome, type[TaskNotDone]] = {
     Outcome.UNREPORTED: OutcomeUnreported,
 }
 BATCH_DONE = (Outcome.SUCCESS, Outcome.YIELD)
+# Celery cuts a result's text at 1 KB in its log line and events; a batch's names each
+# of its tasks and the messages it sent some on in.
+BATCH_RESULT_MAX = 16384
 
 
 def trace_of(request: Any, task_id: int, owner: str, task_class: str | None) -> TaskTrace:
@@ -73,10 +84,10 @@ def execute(
 ) -> str:
     """Run Phorge task ``task_id`` under its dispatch lease (``data``: its JSON, when small).
 
-    Returns ``'Class#id: success'``; any other outcome raises a :class:`TaskNotDone`
-    (a yield inside a ``Retry``), so Celery's state is the outcome's. ``repoll`` marks the
-    middle of a full dispatch: once it has run, half the queue's capacity is free again,
-    so the poller is asked to fill it now, not at the next beat.
+    Returns ``'Class#id: success'``, or for a yield what :func:`yielded` says; any other
+    outcome raises a :class:`TaskNotDone`, so Celery's state is FAILURE with the reason.
+    ``repoll`` marks the middle of a full dispatch: once it has run, half the queue's
+    capacity is free again, so the poller is asked to fill it now, not at the next beat.
     """
     item = Leased(task_id, failure_count, task_class, data)
     trace = current_trace() or trace_of(self.request, task_id, owner, task_class)
@@ -85,15 +96,24 @@ def execute(
         batch.run([item])
     finally:
         if repoll:
-            self.app.send_task(POLL_TASK)
+            ask_for_poll(self.app)
     _, ran, line = batch.ran[0]
     if ran.outcome is Outcome.SUCCESS:
         return line
     if ran.outcome is Outcome.YIELD:
-        # celery-types annotates ``when`` as ``numbers.Real``, which mypy never matches
-        # with an int; Celery takes seconds as any number.
-        raise Retry(line, exc=TaskYielded(line), when=cast("Real | None", ran.wait))
+        return yielded(line, item)
     raise NOT_DONE[ran.outcome](line)
+
+
+def yielded(line: str, item: Leased) -> str:
+    """A yield's result: the message is done (SUCCESS, nothing left to revoke) and the
+    row waits for its due time, when a poll sends it in a new message."""
+    return f"{line}; runs again in a new message: search {search_term(item)}"
+
+
+def ask_for_poll(app: Celery) -> None:
+    """Send a poll now, as beat sends one (quietly: ``quiet_polls``)."""
+    app.tasks[POLL_TASK].apply_async()
 
 
 def execute_batch(
@@ -103,37 +123,60 @@ def execute_batch(
     data]``, leased by ``owner``); see :func:`execute` for ``repoll``.
 
     Once the batch has run for a poll interval, the tasks left are sent on, as many a
-    message as ran in that time, so long tasks spread over the workers. Returns a
-    summary when every task succeeded or yielded, else raises :class:`BatchNotDone`,
-    whose message has the line of each task that did not.
+    message as ran in that time, so long tasks spread over the workers. Returns
+    :func:`batch_summary` when every task succeeded or yielded, else raises
+    :class:`BatchNotDone`, whose message adds the line of each task that did not.
     """
     rt = runtime()
     items = [Leased(*task) for task in tasks]
     traceparent = traceparent_or_new(self.request.get(TRACEPARENT_HEADER))
     batch = Batch(rt, owner, traceparent)
     started = time.monotonic()
+    sent: list[Sent] = []
+    handed_back: list[Leased] = []
     try:
         rest = batch.run(items, budget=rt.settings.poll_interval)
         if rest:
             pace = (time.monotonic() - started) / len(batch.ran)
             size = max(1, min(len(rest), int(rt.settings.poll_interval / pace)))
             queue = rt.settings.router.queue_for(rest[0].task_class or "")
-            sent = send(self.app, owner, rest, queue, size, sent_on=True)
-            if sent < len(rest):
-                rt.queue.free_own([item.id for item in rest[sent:]], owner)
+            sent = send_messages(self.app, owner, rest, queue, size, sent_on=True)
+            handed_back = rest[sum(len(message.tasks) for message in sent) :]
+            if handed_back:
+                rt.queue.free_own([item.id for item in handed_back], owner)
     finally:
         if repoll:
-            self.app.send_task(POLL_TASK)
-    counts = Counter(ran.outcome.value for _, ran, _ in batch.ran)
-    summary = f"{len(batch.ran)} task(s): " + ", ".join(
-        f"{n} {name}" for name, n in sorted(counts.items())
-    )
+            ask_for_poll(self.app)
+    summary = batch_summary(batch.ran, sent, handed_back)
     not_done = [line for _, ran, line in batch.ran if ran.outcome not in BATCH_DONE]
-    if rest:
-        summary += f"; {len(rest)} sent on"
     if not_done:
         raise BatchNotDone("; ".join([summary, *not_done]))
     return summary
+
+
+def batch_summary(
+    ran: Sequence[tuple[Leased, Ran, str]], sent: Sequence[Sent], handed_back: Sequence[Leased]
+) -> str:
+    """Each task's outcome, and the message each one sent on went in, e.g.
+    ``'3 task(s): 1 failure (#7), 2 success (#5, #6); 2 sent on: bridge.execute[<id>]
+    (#8), bridge.execute[<id>] (#9)'``; tasks the broker refused are ``handed back``."""
+    by_outcome: dict[str, list[Leased]] = defaultdict(list)
+    for item, result, _ in ran:
+        by_outcome[result.outcome.value].append(item)
+    outcomes = ", ".join(
+        f"{len(done)} {name} ({ids(done)})" for name, done in sorted(by_outcome.items())
+    )
+    parts = [f"{len(ran)} task(s): {outcomes}"]
+    if sent:
+        messages = ", ".join(f"{message} ({ids(message.tasks)})" for message in sent)
+        parts.append(f"{sum(len(message.tasks) for message in sent)} sent on: {messages}")
+    if handed_back:
+        parts.append(f"{len(handed_back)} handed back ({ids(handed_back)})")
+    return "; ".join(parts)
+
+
+def ids(tasks: Iterable[Leased]) -> str:
+    return ", ".join(f"#{task.id}" for task in tasks)
 
 
 _trace_tokens: dict[str, Any] = {}
@@ -156,8 +199,12 @@ def _end_trace(task_id: str, **_: Any) -> None:
 def install(app: Celery) -> None:
     """Register both tasks on ``app``, and the signals that tag the lines of a run."""
     one = app.task(name=EXECUTE_TASK, bind=True, ignore_result=True, throws=(TaskNotDone,))(execute)
-    app.task(name=EXECUTE_BATCH, bind=True, ignore_result=True, throws=(TaskNotDone,))(
-        execute_batch
-    )
+    app.task(
+        name=EXECUTE_BATCH,
+        bind=True,
+        ignore_result=True,
+        throws=(TaskNotDone,),
+        resultrepr_maxsize=BATCH_RESULT_MAX,
+    )(execute_batch)
     task_prerun.connect(_begin_trace, sender=one, weak=False)
     task_postrun.connect(_end_trace, sender=one, weak=False)

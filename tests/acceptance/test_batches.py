@@ -44,5 +44,15 @@ def test_slow_tasks_of_a_batch_are_sent_on_to_other_processes(make_bridge, datab
     assert {row.result for row in archived.values()} == {RESULT_SUCCESS}
     runs = bridge.runs()
     assert Counter(r["id"] for r in runs) == Counter(ids), "a task ran twice"
-    # Each batch ran its first task, then sent the second on as a message of its own.
-    assert worker.log().count("1 task(s): 1 success; 1 sent on") == SLOW_TASKS // 2
+    # Each batch ran its first task, then sent the second on as a message of its own,
+    # which its result names, and which ran that task.
+    log = worker.log()
+    sent_on = re.findall(
+        r"'1 task\(s\): 1 success \(#\d+\); 1 sent on: bridge\.execute\[([-0-9a-f]+)\] \(#(\d+)\)'",
+        log,
+    )
+    assert len(sent_on) == SLOW_TASKS // 2
+    for message_id, task_id in sent_on:
+        assert re.search(
+            rf"bridge\.execute\[{message_id}\] succeeded in \S+ 'RecordedA#{task_id}: ", log
+        )

@@ -75,7 +75,8 @@ def test_task_events_show_bridge_execute_with_the_phorge_task_as_argument(event_
         "task-received", lambda e: e["hostname"] == node and e["name"] == "bridge.execute"
     )
     assert sorted(e["args"] for e in received) == [f"('{TASK_CLASS}#{i}',)" for i in ids]
-    assert {e["kwargs"] for e in received} == {"{}"}
+    # Flower's search finds each task by the pair ``kwargs:<id>=<class>``.
+    assert sorted(e["kwargs"] for e in received) == [repr({i: TASK_CLASS}) for i in ids]
     uuids = {e["uuid"] for e in received}
     # The poller's task-sent events (from its prefork child) say where each one went.
     sent = one_per_task("task-sent", lambda e: e["uuid"] in uuids)
@@ -83,11 +84,16 @@ def test_task_events_show_bridge_execute_with_the_phorge_task_as_argument(event_
     assert sorted(e["args"] for e in sent) == sorted(e["args"] for e in received)
     succeeded = one_per_task("task-succeeded", lambda e: e["uuid"] in uuids)
     assert sorted(e["result"] for e in succeeded) == [f"'{TASK_CLASS}#{i}: success'" for i in ids]
+    # The polls that leased them sent no event: no task-sent to the control queue (beat's
+    # and the worker's), and each event of the worker's is about one of these messages.
+    assert [e for e in list(log.events) if e.get("queue") == bridge.control_queue] == []
+    assert {e["uuid"] for e in log.of(node) if e["type"].startswith("task-")} == uuids
 
 
 def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log):
-    """Flower's states: SUCCESS, FAILURE with the reason, RETRY for a yield; nothing is
-    sent again by Celery (the rows decide), and expected failures log one line each."""
+    """Flower's states: SUCCESS, FAILURE with the reason, SUCCESS for a yield (the message
+    is done; the row runs again in a new one); nothing is sent again by Celery (the rows
+    decide), and expected failures log one line each."""
     bridge, log = event_log
     worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
     bridge.wait_ready(worker)
@@ -107,7 +113,7 @@ def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log)
             for e in list(log.events)
             if e["type"] == "task-received" and e.get("name") == "bridge.execute"
         }
-        final = ("task-succeeded", "task-failed", "task-retried")
+        final = ("task-succeeded", "task-failed")
         done = {
             by_uuid[e["uuid"]]: e
             for e in list(log.events)
@@ -120,7 +126,7 @@ def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log)
         ok: "task-succeeded",
         flaky: "task-failed",
         broken: "task-failed",
-        later: "task-retried",
+        later: "task-succeeded",
     }
     assert done[ok]["result"] == f"'{TASK_CLASS}#{ok}: success'"
     assert done[flaky]["exception"] == (
@@ -129,7 +135,10 @@ def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log)
     assert done[broken]["exception"] == (
         f"TaskFailedPermanently('{TASK_CLASS}#{broken}: permanent-failure: Permanent failure!')"
     )
-    assert done[later]["exception"].startswith(f"TaskYielded('{TASK_CLASS}#{later}: yield")
+    assert done[later]["result"].startswith(f"'{TASK_CLASS}#{later}: yield (due again in ")
+    assert done[later]["result"].endswith(
+        f" s); runs again in a new message: search kwargs:{later}={TASK_CLASS}'"
+    )
     assert [r.result for r in bridge.wait_archived([ok, broken]).values()] == [0, 1]
     rows = bridge.active_rows([flaky, later])
     assert (rows[flaky].failureCount, rows[later].leaseOwner) == (1, "(yield)")

@@ -17,7 +17,6 @@ from typing import Any
 import MySQLdb
 import pytest
 from bad_rows import corrupt_data
-from celery.exceptions import Retry
 from flaky_sql import flaky, flaky_statement
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, event, select, update
@@ -50,7 +49,7 @@ from bridge.queue.schema import worker_archivetask as archive
 from bridge.queue.schema import worker_taskdata as taskdata
 from bridge.queue.session import LeaseSession
 from bridge.runtime import execute as execute_module
-from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK
+from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, Sent
 
 pytestmark = pytest.mark.mariadb
 
@@ -227,7 +226,8 @@ def test_the_celery_task_reports_its_outcome_by_label(rt, monkeypatch):
 
 
 def test_the_celery_task_raises_what_celery_records_as_its_state(rt, monkeypatch):
-    """FAILURE with the reason for failures and lost leases, RETRY for a yield."""
+    """FAILURE with the reason for failures and lost leases; a yield is a SUCCESS that
+    says how to find its next run."""
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary", "getWaitBeforeRetry": 60})
     label = f"{TEST_WORKER}#{task.id}"
@@ -239,11 +239,9 @@ def test_the_celery_task_raises_what_celery_records_as_its_state(rt, monkeypatch
     assert str(lost.value).startswith(f"{label}: lease-lost: the lease was no longer held")
 
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "yield", "yieldUntil": time.time() + 60})
-    with pytest.raises(Retry) as yielded:
-        celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
-    assert isinstance(yielded.value.exc, errors.TaskYielded)
-    assert str(yielded.value).startswith(f"{TEST_WORKER}#{task.id}: yield (due again in 6")
-    assert issubclass(errors.TaskYielded, errors.TaskNotDone)
+    result = celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
+    assert result.startswith(f"{TEST_WORKER}#{task.id}: yield (due again in 6")
+    assert result.endswith(f"; runs again in a new message: search kwargs:{task.id}={TEST_WORKER}")
     assert celery_execute().throws == (errors.TaskNotDone,)
 
 
@@ -627,23 +625,26 @@ def lease_batch(rt: Runtime, task_class: str, count: int, data=None) -> tuple[st
 
 @pytest.fixture
 def batches(rt, monkeypatch) -> list[tuple[list, int]]:
-    """Run ``bridge.execute_batch`` on ``rt``; what a batch sends on is recorded here."""
+    """Run ``bridge.execute_batch`` on ``rt``; what a batch sends on is recorded here,
+    ``size`` tasks a message, the messages' ids ``m0``, ``m1``, ..."""
     sent: list[tuple[list, int]] = []
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
 
-    def send(_app, owner, rest, queue, size, sent_on=False) -> int:
+    def send_messages(_app, owner, rest, queue, size, sent_on=False) -> list[Sent]:
         assert sent_on, "tasks a batch sends on are counted apart from dispatches"
         sent.append((rest, size))
-        return len(rest)
+        groups = [rest[at : at + size] for at in range(0, len(rest), size)]
+        return [Sent(EXECUTE_TASK, f"m{n}", group) for n, group in enumerate(groups)]
 
-    monkeypatch.setattr(execute_module, "send", send)
+    monkeypatch.setattr(execute_module, "send_messages", send_messages)
     return sent
 
 
 def test_a_batch_costs_one_round_trip_a_task_and_a_commit_each(rt, batches):
     owner, items = lease_batch(rt, TEST_WORKER, 8)
     cost = SessionCost(rt)
-    assert celery_execute_batch()(owner, items) == "8 task(s): 8 success"
+    ids = ", ".join(f"#{task_id}" for task_id, *_ in items)
+    assert celery_execute_batch()(owner, items) == f"8 task(s): 8 success ({ids})"
     # The first check; then 7 round trips of the previous outcome (START TRANSACTION,
     # archive, delete, COMMIT) and the next check; then the last outcome alone.
     assert cost.since() == {"commits": 8, "statements": 1 + 7 * 5 + 4, "checkouts": 0}
@@ -665,7 +666,9 @@ def test_a_task_cancelled_while_its_batch_runs_does_not_run(rt, probe, batches):
         celery_execute_batch()(owner, items)
     assert [ctx.id for ctx in probe.runs] == [first, third]
     assert f"{PROBE}#{second}: lease-lost: the lease was no longer held" in str(not_done.value)
-    assert str(not_done.value).startswith("3 task(s): 1 lease-lost, 2 success")
+    assert str(not_done.value).startswith(
+        f"3 task(s): 1 lease-lost (#{second}), 2 success (#{first}, #{third}); "
+    )
     assert [row.result for row in archive_rows(rt, third)] == [RESULT_SUCCESS]
 
 
@@ -692,7 +695,11 @@ def test_each_outcome_in_a_batch_is_fenced_alone(rt, probe, batches):
 def test_a_batch_past_its_poll_interval_sends_the_rest_on_unrun(rt, probe, batches):
     owner, items = lease_batch(rt, PROBE, 5)
     probe.behaviour = lambda ctx: time.sleep(rt.settings.poll_interval * 1.5)
-    assert celery_execute_batch()(owner, items) == "1 task(s): 1 success; 4 sent on"
+    ids = [task_id for task_id, *_ in items]
+    assert celery_execute_batch()(owner, items) == (
+        f"1 task(s): 1 success (#{ids[0]}); 4 sent on: "
+        + ", ".join(f"bridge.execute[m{n}] (#{task_id})" for n, task_id in enumerate(ids[1:]))
+    )
     # One task took longer than the interval: the rest go one a message, still leased.
     [(rest, size)] = batches
     assert [item.id for item in rest] == [item[0] for item in items[1:]]
@@ -723,6 +730,7 @@ def test_a_database_outage_mid_batch_leaves_the_rest_to_their_leases(
     flaky_statement(monkeypatch, sql.HELD, failures=99)
     with pytest.raises(errors.BatchNotDone) as not_done:
         celery_execute_batch()(owner, items)
-    assert str(not_done.value).startswith("3 task(s): 3 unreported")
+    ids = ", ".join(f"#{task_id}" for task_id, *_ in items)
+    assert str(not_done.value).startswith(f"3 task(s): 3 unreported ({ids}); ")
     assert probe.runs == []
     assert {active_row(rt, item[0]).leaseOwner for item in items} == {owner}
