@@ -10,12 +10,14 @@ The workers' pace comes from the archive (:meth:`PhorgeQueue.recent_runs`): its 
 ``r`` and mean duration ``d`` give the slots in use, ``r·d`` (Little's law). A queue
 holds ``1.25·r·d + r·ahead`` leases: the busy slots with room to find more, and one
 interval's starts. Tasks so short that ``ahead / d`` is larger may fill up to that
-(waiting behind them costs less than ``ahead`` even on one slot), so no-op work is not
-slowed. With no history a queue starts with :data:`FLOOR`, and grows as runs archive.
+(waiting behind them costs less than ``ahead`` even on one slot), once the window holds
+:data:`SHORT_EVIDENCE` runs, so no-op work is not slowed. With no history a queue starts
+with :data:`FLOOR`, and grows as runs archive.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from bridge.queue.model import RecentRuns
@@ -23,8 +25,11 @@ from bridge.queue.model import RecentRuns
 FLOOR = 2  # leases of a queue with no recent runs: two slots, one task each
 HEADROOM = 1.25  # busy slots x this: a saturated queue finds a freed slot; 1 s tasks on
 # two slots hold at most one waiting task
-WINDOW = 10  # seconds of archive the pace is read from
+WINDOW = 10  # seconds of archive the pace is read from: long tasks need several runs
 MIN_COST = 0.0005  # seconds a task costs a worker beyond its archived duration
+# Runs of the window before their mean may fill a queue past its busy slots: a few short
+# runs (a class that is sometimes quick) must not send a backlog of slow ones at once.
+SHORT_EVIDENCE = 64
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,13 @@ class Pace:
 
     rate: float
     mean: float
+    runs: int
 
     @classmethod
     def of(cls, runs: RecentRuns) -> Pace | None:
         if runs.count == 0:
             return None
-        return cls(runs.count / runs.span, runs.duration_us / runs.count / 1e6)
+        return cls(runs.count / runs.span, runs.duration_us / runs.count / 1e6, runs.count)
 
     @property
     def busy(self) -> float:
@@ -47,13 +53,16 @@ class Pace:
 
     def in_flight(self, ahead: float) -> int:
         """Leases that keep the busy slots fed until about ``ahead`` seconds from now."""
-        fed = round(HEADROOM * self.busy + self.rate * ahead)
-        return max(FLOOR, fed, int(ahead / max(self.mean, MIN_COST)))
+        fed = math.floor(HEADROOM * self.busy + self.rate * ahead)
+        short = int(ahead / max(self.mean, MIN_COST)) if self.runs >= SHORT_EVIDENCE else 0
+        return max(FLOOR, fed, short)
 
-    def batch_limit(self, ahead: float) -> int:
-        """Tasks one message may carry: at most ``ahead`` seconds of work, since a
+    def message_size(self, in_flight: int, ahead: float, batch_max: int) -> int:
+        """Tasks one message carries: the leases spread over two messages a busy slot
+        (one running, one reserved), and at most ``ahead`` seconds of work, since a
         worker holding a message starts nothing else until it is through."""
-        return max(1, int(ahead / max(self.mean, MIN_COST)))
+        spread = in_flight // (2 * max(1, math.ceil(self.busy)))
+        return max(1, min(batch_max, spread, int(ahead / max(self.mean, MIN_COST))))
 
 
 def in_flight_target(pace: Pace | None, ahead: float | None, limit: int) -> int:

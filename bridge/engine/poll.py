@@ -129,9 +129,10 @@ def fill(
     if urgent:
         size, mark = 1, False
     else:
-        size = batch_size(in_flight + len(tasks), settings.batch_max)
         if pace is not None and ahead is not None:
-            size = min(size, pace.batch_limit(ahead))
+            size = pace.message_size(in_flight + len(tasks), ahead, settings.batch_max)
+        else:
+            size = batch_size(in_flight + len(tasks), settings.batch_max)
         mark = len(tasks) >= max(1, target // 2)
     done = send(owner, tasks, queue, size, mark=mark)
     if done < len(tasks):

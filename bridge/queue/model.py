@@ -321,9 +321,10 @@ class RecentRuns:
     (``count / span``) and mean duration (``duration_us / count``).
 
     ``span`` is in seconds, from the oldest counted row's ``dateModified`` (or the
-    oldest row read, when the read was cut short) to the database's now, plus one; it
-    is 1 when nothing was counted. Whole seconds: ``count / span`` is at most the rows
-    read per second (``PhorgeQueue.recent_runs``' ``limit``).
+    oldest row read, when the read was cut short) to the database's now, at least 1 (1
+    when nothing was counted). Both are whole seconds, each about half a second late on
+    average, so their difference is the time the rows cover, unbiased; ``count / span``
+    is at most the rows read per second (``PhorgeQueue.recent_runs``' ``limit``).
     """
 
     count: int

@@ -333,7 +333,7 @@ class PhorgeQueue:
             query = sql.sum_recent_runs(classes, window, limit)
             count, duration, oldest_ours, read, oldest_read, now = conn.execute(query).one()
         oldest = oldest_read if read >= limit else oldest_ours
-        span = 1 if oldest is None else max(1, int(now) - int(oldest) + 1)
+        span = 1 if oldest is None else max(1, int(now) - int(oldest))
         return RecentRuns(int(count), int(duration), span)
 
     def task_classes(self) -> list[str]:

@@ -30,6 +30,14 @@ worker_prefetch_multiplier = 1
 # or a long task would be delivered twice (the fence would then drop the second copy).
 if broker_url.startswith("redis"):
     broker_transport_options = {"visibility_timeout": max(3 * _settings.default_lease, 3600)}
+# kombu polls a database broker for messages, once a second while its queues are empty;
+# the poller keeps them short (bridge.engine.pace), so each time a queue drained a
+# message would wait that second. The transport's own class says how often it polls
+# (its transport options all go to SQLAlchemy's create_engine): the URL's "sqla+"
+# scheme would pick kombu's, so the bridge names its subclass instead.
+elif broker_url.startswith("sqla+"):
+    broker_url = broker_url.removeprefix("sqla+")
+    broker_transport = "bridge.runtime.sqlite_broker:Transport"
 
 # One direct exchange per queue, so a routing key never reaches two queues.
 task_queues = [

@@ -56,6 +56,7 @@ class Message:
     task_class: str
     queue: str
     argsrepr: str
+    kwargsrepr: str
     repoll: bool
     batch: int  # how many tasks its message carried
 
@@ -65,7 +66,7 @@ def sent(monkeypatch) -> list[Message]:
     """The tasks polls send, in order, one entry a task (a batch message gives several)."""
     messages: list[Message] = []
 
-    def publish(_app, producer, queue, name, args, kwargs, argsrepr, traceparent) -> None:
+    def publish(_app, producer, queue, name, args, kwargs, argsrepr, kwargsrepr, traceparent):
         # Every message carries a trace context of its own for the execution to keep.
         assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", traceparent)
         repoll = kwargs.get("repoll", False)
@@ -85,6 +86,7 @@ def sent(monkeypatch) -> list[Message]:
                     task_class,
                     queue.name,
                     argsrepr,
+                    kwargsrepr,
                     repoll,
                     len(tasks),
                 )
@@ -148,6 +150,7 @@ def test_each_leased_task_goes_to_its_class_queue_with_its_lease_and_label(make_
         assert message.failure_count == task.failure_count
         assert message.data == task.raw_data
         assert message.argsrepr == repr((task.label,))
+        assert message.kwargsrepr == repr({task.id: task.task_class})
         assert task.lease_expires - task.server_time in (DISPATCH_LEASE, DISPATCH_LEASE - 1)
 
 
@@ -375,7 +378,7 @@ def archive_runs(rt: Runtime, task_class: str, count: int, seconds: float, over:
         assert rt.queue.session.complete(lease, int(seconds * 1e6))
     with rt.queue.engine.begin() as conn:
         for index, task in enumerate(leased):
-            ago = over * index // count
+            ago = over * (index + 1) // count
             conn.execute(
                 update(archive).where(archive.c.id == task.id).values(dateModified=db_now() - ago)
             )
@@ -391,16 +394,16 @@ def test_a_queue_with_no_recent_runs_starts_with_two_leases(make_runtime, sent):
 def test_short_tasks_fill_up_to_the_inflight_limit(make_runtime, sent):
     # No-op work: 0.25 s / 1 ms is 250 leases, still under a quarter second of work.
     rt = make_runtime(DISPATCH_AHEAD="0.25", MAX_INFLIGHT="200")
-    archive_runs(rt, FAST, count=20, seconds=0.001, over=5)
+    archive_runs(rt, FAST, count=pace.SHORT_EVIDENCE, seconds=0.001, over=2)
     enqueue(rt, FAST, count=300)
     assert poll_once(rt) == 200
 
 
 def test_slow_tasks_lease_what_the_busy_slots_start_before_the_next_poll(make_runtime, sent):
-    # 22 runs of 1 s over the last 10 s: 2 a second on 2 busy slots, so 1.25 x 2 + 2 x
+    # Runs of 1 s, 2 a second over the pace's window: 2 busy slots, so 1.25 x 2 + 2 x
     # 0.25 = 3 leases, a message each (one message may carry at most 0.25 s of work).
     rt = make_runtime(DISPATCH_AHEAD="0.25")
-    archive_runs(rt, SLOW, count=22, seconds=1.0, over=10)
+    archive_runs(rt, SLOW, count=2 * pace.WINDOW, seconds=1.0, over=pace.WINDOW)
     ids = enqueue(rt, SLOW, count=50)
     assert poll_once(rt) == 3
     assert [m.task_id for m in sent] == ids[:3]
