@@ -5,9 +5,9 @@ Each queue leases only up to its own target (its measured pace, see
 for its classes), so a flood in one queue never starves another, and a backlog waits in
 the database in Phorge's priority order rather than in the broker's. One poll runs at a
 time (a database lock; an overlapping poll returns at once), so two polls never both
-fill the same capacity. A dispatch of half the target or more marks its middle message:
-when that message has run, the worker asks for a poll at once, so throughput is not
-capped at ``target / poll_interval``.
+fill the same capacity. A dispatch marks one message (:func:`_repoll_at`): when it has
+run, the worker asks for a poll at once, so throughput is not capped at
+``target / poll_interval``.
 
 Sending is the caller's (:class:`Send`): the Celery runtime publishes messages, the
 benchmark's SQL loop runs them in process. While the database refuses writes the lease
@@ -32,11 +32,16 @@ SPREAD = 32
 
 class Send(Protocol):
     def __call__(
-        self, owner: str, tasks: Sequence[Leased], queue: str, size: int, mark: bool = False
+        self,
+        owner: str,
+        tasks: Sequence[Leased],
+        queue: str,
+        size: int,
+        repoll_at: int | None = None,
     ) -> int:
         """Send ``tasks`` (leased by ``owner``) to ``queue``, ``size`` a message; returns
-        how many were sent before any error. ``mark`` asks the middle message to poll
-        once run."""
+        how many were sent before any error. Message number ``repoll_at`` (from 0) asks
+        for a poll once it has run."""
         ...
 
 
@@ -127,16 +132,27 @@ def fill(
     if not tasks:
         return 0
     if urgent:
-        size, mark = 1, False
+        size, repoll_at = 1, None
     else:
         if pace is not None and ahead is not None:
             size = pace.message_size(in_flight + len(tasks), ahead, settings.batch_max)
         else:
             size = batch_size(in_flight + len(tasks), settings.batch_max)
-        mark = len(tasks) >= max(1, target // 2)
-    done = send(owner, tasks, queue, size, mark=mark)
+        repoll_at = _repoll_at(len(tasks), size, target, paced=ahead is not None)
+    done = send(owner, tasks, queue, size, repoll_at=repoll_at)
     if done < len(tasks):
         # The broker refused: hand the unsent leases back at once rather than letting
         # them wait out the dispatch lease.
         rt.queue.free_own([t.id for t in tasks[done:]], owner)
     return done
+
+
+def _repoll_at(leased: int, size: int, target: int, paced: bool) -> int | None:
+    """Which message of a dispatch asks for a poll once run. Paced, the first of every
+    dispatch: a paced queue holds a poll interval's work or so, so the refill must be
+    on its way while the rest runs. Unpaced, the middle one of a dispatch of half the
+    target or more: half the target is free by then; smaller dispatches ask nothing, so
+    at most one such chain of polls lives."""
+    if paced:
+        return 0
+    return -(-leased // size) // 2 if leased >= max(1, target // 2) else None

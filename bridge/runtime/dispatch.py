@@ -103,11 +103,16 @@ def publish(
 
 
 def send(
-    app: Celery, owner: str, tasks: Sequence[Leased], queue: str, size: int, mark: bool = False
+    app: Celery,
+    owner: str,
+    tasks: Sequence[Leased],
+    queue: str,
+    size: int,
+    repoll_at: int | None = None,
 ) -> int:
     """The poll's dispatch (``bridge.engine.poll.Send``, with the app bound): how many of
     ``tasks`` :func:`send_messages` sent before any error."""
-    messages = send_messages(app, owner, tasks, queue, size, mark)
+    messages = send_messages(app, owner, tasks, queue, size, repoll_at)
     return sum(len(message.tasks) for message in messages)
 
 
@@ -117,15 +122,14 @@ def send_messages(
     tasks: Sequence[Leased],
     queue: str,
     size: int,
-    mark: bool = False,
+    repoll_at: int | None = None,
     sent_on: bool = False,
 ) -> list[Sent]:
     """Send ``tasks`` (leased by ``owner``) to ``queue``, ``size`` a message; returns the
-    messages sent before any error. ``mark`` asks the middle message to poll once run.
+    messages sent before any error. Message ``repoll_at`` (an index) asks for a poll once run.
     ``sent_on``: tasks a batch had no time for, counted apart from the poll's dispatches
     (the batch's result names the messages)."""
     groups = [tasks[at : at + size] for at in range(0, len(tasks), size)]
-    marked = len(groups) // 2 if mark else None
     target = app.amqp.queues[queue]
     messages: list[Sent] = []
     sent = 0
@@ -134,7 +138,7 @@ def send_messages(
         # for every message, a fifth of the cost of a publish.
         producer.maybe_declare(target)
         for index, group in enumerate(groups):
-            kwargs: dict[str, object] = {"repoll": True} if index == marked else {}
+            kwargs: dict[str, object] = {"repoll": True} if index == repoll_at else {}
             traceparent = new_traceparent()
             args: tuple[Any, ...]
             if len(group) == 1:

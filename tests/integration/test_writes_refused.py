@@ -212,7 +212,7 @@ def test_the_poll_leases_nothing_while_writes_are_refused(rt, read_only, caplog)
     ids = rt.queue.enqueue_many([NewTask(PROBE)] * 3)
     sent: list[Leased] = []
 
-    def send(owner: str, tasks: Any, queue: str, size: int, mark: bool = False) -> int:
+    def send(owner: str, tasks: Any, queue: str, size: int, repoll_at: int | None = None) -> int:
         sent.extend(tasks)
         return len(tasks)
 
