@@ -21,7 +21,6 @@ from bridge.errors import (
     TaskFailedPermanently,
     TaskNotDone,
     TaskNotServed,
-    TaskYielded,
 )
 from bridge.handlers.api import (
     Handler,
@@ -53,7 +52,6 @@ __all__ = [
     "TaskFilter",
     "TaskNotDone",
     "TaskNotServed",
-    "TaskYielded",
     "TemporaryFailure",
     "Yield",
     "__version__",

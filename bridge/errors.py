@@ -55,9 +55,3 @@ class OutcomeUnreported(TaskNotDone):
 
 class BatchNotDone(TaskNotDone):
     """A batch in which some task did not succeed (or yield): each one's line follows."""
-
-
-class TaskYielded(TaskNotDone):
-    """A yield, raised inside Celery's ``Retry``: the RETRY state (Flower shows it apart
-    from successes and failures), though Celery sends nothing again: the poller leases
-    the row once the yield is over."""
