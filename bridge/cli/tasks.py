@@ -2,10 +2,9 @@
 due, why it last ended, and (``show``) its whole story.
 
 Phorge has no status column: the queue layer reads a state off the row
-(``bridge.queue.model.classify``), and an archived row has a result code. The CLI names
-archived rows by result (success, failed, cancelled), and tells a row whose retry wait
-or yield is over from a lease a crash left behind: both have an owner and an expired
-lease, but only the latter is ``lease-expired``, the word the docs use for a crash.
+(``bridge.queue.model.classify``, which tells a retry wait or a yield that is over from
+a lease a crash left behind, ``lease-expired``), and an archived row has a result code,
+which the CLI names (success, failed, cancelled).
 """
 
 from __future__ import annotations
@@ -24,12 +23,9 @@ from bridge.queue.model import (
     RESULT_FAILURE,
     RESULT_SUCCESS,
     State,
-    classify,
 )
 
 RESULT_WORDS = {RESULT_SUCCESS: "success", RESULT_FAILURE: "failed", RESULT_CANCELLED: "cancelled"}
-# An expired lease that was a failure's retry wait, or a yield: the wait is over, no crash.
-WAIT_OVER = {State.RETRY_WAIT: "retry-due", State.YIELDED: "yield-ended"}
 OUTCOME_WORDS = {
     RESULT_SUCCESS: "success",
     RESULT_FAILURE: "permanent failure (archived with result 1)",
@@ -53,13 +49,7 @@ def _by_result(words: dict[int, str], task: Task, unknown: str) -> str:
 def state_word(task: Task) -> str:
     if task.archived:
         return _by_result(RESULT_WORDS, task, f"result-{task.result}")
-    state = task.state
-    if state is State.EXPIRED:
-        now = server_now(task)
-        # What the row was while its lease still ran: that tells a wait from a crash.
-        before = classify(task.lease_owner, now + 1, task.failure_time, now)
-        return WAIT_OVER.get(before, state.value)
-    return state.value
+    return task.state.value
 
 
 def due(task: Task) -> int | None:

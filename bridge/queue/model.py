@@ -76,10 +76,17 @@ class State(StrEnum):
     QUEUED = "queued"
     DELAYED = "delayed"
     LEASED = "leased"
-    EXPIRED = "lease-expired"
+    EXPIRED = "lease-expired"  # a lease a crashed or lost worker left behind
     RETRY_WAIT = "waiting-to-retry"
+    RETRY_DUE = "retry-due"  # a temporary failure's wait is over
     YIELDED = "yielded"
+    YIELD_ENDED = "yield-ended"
     ARCHIVED = "archived"
+
+
+# The states of rows a poll leases now: queued ones (Phorge's first phase) and those whose
+# lease or wait is over (its second, the expired phase).
+DUE_STATES = (State.QUEUED, State.EXPIRED, State.RETRY_DUE, State.YIELD_ENDED)
 
 
 def check_task_class(task_class: Any) -> str:
@@ -247,15 +254,14 @@ def classify(owner: str | None, expires: int | None, failure_time: int | None, n
     """The state of an active row (the same rule as ``statements.state_case``)."""
     if owner is None:
         return State.DELAYED if expires is not None and expires > now else State.QUEUED
-    if expires is None or expires <= now:
-        return State.EXPIRED
+    due = expires is None or expires <= now
     if owner == YIELD_OWNER:
-        return State.YIELDED
+        return State.YIELD_ENDED if due else State.YIELDED
     # A failure keeps the failed run's owner: the row waits to retry until re-leased.
     leased_at = lease_epoch(owner)
     if failure_time is not None and (leased_at is None or leased_at <= failure_time):
-        return State.RETRY_WAIT
-    return State.LEASED
+        return State.RETRY_DUE if due else State.RETRY_WAIT
+    return State.EXPIRED if due else State.LEASED
 
 
 @dataclass(frozen=True)

@@ -595,15 +595,15 @@ def select_tasks(table: Table, selector: TaskFilter) -> Select[Any]:
 def state_case(now: int) -> ColumnElement[str]:
     """The SQL twin of ``model.classify``: an active row's state at ``now``."""
     c = active.c
+    due = or_(c.leaseExpires.is_(None), c.leaseExpires <= now)
     return case(
         (and_(c.leaseOwner.is_(None), c.leaseExpires > now), literal(State.DELAYED.value)),
         (c.leaseOwner.is_(None), literal(State.QUEUED.value)),
-        (or_(c.leaseExpires.is_(None), c.leaseExpires <= now), literal(State.EXPIRED.value)),
+        (and_(c.leaseOwner == YIELD_OWNER, due), literal(State.YIELD_ENDED.value)),
         (c.leaseOwner == YIELD_OWNER, literal(State.YIELDED.value)),
-        (
-            _waiting_to_retry(),
-            literal(State.RETRY_WAIT.value),
-        ),
+        (and_(_waiting_to_retry(), due), literal(State.RETRY_DUE.value)),
+        (_waiting_to_retry(), literal(State.RETRY_WAIT.value)),
+        (due, literal(State.EXPIRED.value)),
         else_=literal(State.LEASED.value),
     )
 

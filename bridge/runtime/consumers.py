@@ -23,13 +23,12 @@ from prometheus_client.core import GaugeMetricFamily
 
 from bridge.config import Settings
 from bridge.handlers.registry import Registry
-from bridge.queue.model import QueueStats, State
+from bridge.queue.model import DUE_STATES, QueueStats
 
 log = logging.getLogger(__name__)
 
 INSPECT_TIMEOUT = 1.0  # seconds to wait for the workers' answers
 CHECK_EVERY = 15.0  # seconds a poller or scrape reuses the last answer
-DUE_STATES = (State.QUEUED.value, State.EXPIRED.value)  # rows a poll would lease now
 
 
 @dataclass(frozen=True)

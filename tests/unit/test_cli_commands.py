@@ -129,7 +129,7 @@ def test_awaken_takes_selectors_and_counts_what_it_left(queue):
         "1 task(s) awakened.",
         "1 task(s) not awakened: not yielded, or failed before",
     ]
-    assert queue.get(yielded).state.value == "lease-expired"
+    assert queue.get(yielded).state.value == "yield-ended"
     assert queue.get(queued).state.value == "queued"
     assert "give task IDS" in invoke("awaken", code=2).output
 

@@ -148,12 +148,12 @@ def leased_at(epoch: int) -> str:
         (leased_at(NOW - 60), None, None, State.EXPIRED),
         (leased_at(NOW), NOW + 300, NOW, State.RETRY_WAIT),  # failed in its lease's second
         (leased_at(NOW - 20), NOW + 300, NOW - 5, State.RETRY_WAIT),
-        (leased_at(NOW - 400), NOW - 1, NOW - 301, State.EXPIRED),  # wait over: re-leasable
+        (leased_at(NOW - 400), NOW - 1, NOW - 301, State.RETRY_DUE),  # wait over: re-leasable
         (leased_at(NOW - 100), NOW + 7000, NOW - 400, State.LEASED),  # re-leased after it
         (f"bridge:{leased_at(NOW - 100)}", NOW + 7000, NOW - 400, State.LEASED),
         ("not-an-owner-string", NOW + 300, NOW - 5, State.RETRY_WAIT),
         (YIELD_OWNER, NOW + 5, None, State.YIELDED),
-        (YIELD_OWNER, NOW - 3600, None, State.EXPIRED),  # awakened
+        (YIELD_OWNER, NOW - 3600, None, State.YIELD_ENDED),  # awakened
     ],
 )
 def test_classify(owner, expires, failure_time, state):
