@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 from bridge.errors import ConfigError
 from bridge.phorge.conduit import ConduitSettings, validate_base_url, validate_token
+from bridge.phorge.runner_pool import RunnerSettings
+from bridge.phorge.runner_process import RunnerCommand
 from bridge.routing import Router, Rule, parse_queue_name, parse_rules
 
 __all__ = [
@@ -186,6 +188,10 @@ def _owner_prefix(raw: str) -> str:
     return raw
 
 
+def _megabytes(raw: str) -> int:
+    return _positive_int(raw) * 1024 * 1024
+
+
 def _optional(parse: Callable[[str], T]) -> Callable[[str], T | None]:
     """A parser for a setting that is off when empty."""
     return lambda raw: parse(raw) if raw.strip() else None
@@ -348,14 +354,70 @@ class Settings:
     conduit_verify_tls: bool = setting(
         "BRIDGE_CONDUIT_VERIFY_TLS", "true", _boolean, "verify Conduit's TLS certificate"
     )
+    phorge_root: str | None = setting(
+        "BRIDGE_PHORGE_ROOT",
+        "",
+        _optional(str.strip),
+        "this host's Phorge checkout; enables the PHP runner: PHP-only classes run in "
+        "long-lived PHP processes here, before Conduit (off when empty)",
+    )
+    runner_classes: tuple[str, ...] = setting(
+        "BRIDGE_RUNNER_CLASSES",
+        "*",
+        _globs,
+        "globs of the PHP-only classes the PHP runner runs; the others go to Conduit",
+    )
+    runner_php: str = setting("BRIDGE_RUNNER_PHP", "php", str.strip, "PHP binary of the PHP runner")
+    runner_max_tasks: int = setting(
+        "BRIDGE_RUNNER_MAX_TASKS",
+        "10000",
+        _positive_int,
+        "tasks a PHP runner process runs before it is replaced",
+    )
+    runner_max_age: float = setting(
+        "BRIDGE_RUNNER_MAX_AGE",
+        "3600",
+        _seconds,
+        "seconds after which a PHP runner process is replaced, between two tasks (new "
+        "Phorge code runs by then)",
+    )
+    runner_max_rss: int = setting(
+        "BRIDGE_RUNNER_MAX_RSS",
+        "512",
+        _megabytes,
+        "megabytes of resident memory past which a PHP runner process is replaced after its task",
+    )
+    runner_reload_stamp: str | None = setting(
+        "BRIDGE_RUNNER_RELOAD_STAMP",
+        "",
+        _optional(str.strip),
+        "a file a deploy touches (`touch` it after new Phorge code is in place): PHP runner "
+        "processes older than it are replaced before their next task",
+    )
 
     router: Router = field(init=False)
     conduit: ConduitSettings | None = field(init=False)
+    runner: RunnerSettings | None = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "router", Router(self.routes, self.default_queue))
         object.__setattr__(self, "conduit", self._conduit())
+        object.__setattr__(self, "runner", self._runner())
         self._check()
+
+    def _runner(self) -> RunnerSettings | None:
+        """The PHP runner's settings, or None when it is off (no Phorge checkout set)."""
+        if self.phorge_root is None:
+            return None
+        stamp = self.runner_reload_stamp
+        return RunnerSettings(
+            command=RunnerCommand(self.runner_php, Path(self.phorge_root)),
+            classes=self.runner_classes,
+            max_tasks=self.runner_max_tasks,
+            max_age=self.runner_max_age,
+            max_rss=self.runner_max_rss,
+            reload_stamp=Path(stamp) if stamp else None,
+        )
 
     def _conduit(self) -> ConduitSettings | None:
         """The Conduit proxy's settings, or None when it is off; URL and token go together."""

@@ -26,7 +26,11 @@ from bridge.queue.schema import metadata
 # Tests that drive a real Phorge checkout are collected only when PHORGE_ROOT names one
 # (docs/operations.md, "Testing against a real Phorge"); otherwise they are not run at all.
 if not os.environ.get("PHORGE_ROOT"):
-    collect_ignore = ["integration/test_phorge_interop.py", "integration/test_conduit_phorge.py"]
+    collect_ignore = [
+        "integration/test_phorge_interop.py",
+        "integration/test_conduit_phorge.py",
+        "integration/test_php_runner_phorge.py",
+    ]
 
 # Fixtures that reach each service, for marking tests (pytest -m "not mariadb").
 _SERVICE_MARKERS = {"mysql_url": "mariadb", "amqp_url": "rabbitmq", "redis_url": "redis"}

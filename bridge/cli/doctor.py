@@ -20,6 +20,7 @@ from sqlalchemy import inspect
 
 from bridge.config import ConfigError, Settings, load_settings
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
+from bridge.phorge import extension as phorge_extension
 from bridge.phorge.conduit import (
     ConduitAuthError,
     ConduitClient,
@@ -27,6 +28,7 @@ from bridge.phorge.conduit import (
     ConduitMethodNotFoundError,
 )
 from bridge.phorge.extension import VERSION_METHOD, shipped_sha256, shipped_version
+from bridge.phorge.runner_process import RunnerBootError, RunnerProcess
 from bridge.queue import PhorgeQueue
 from bridge.queue import statements as sql
 from bridge.queue.beat_lock import beat_lock_holder
@@ -266,7 +268,9 @@ def check_queue_consumers(doctor: Doctor) -> Check:
 def check_conduit(doctor: Doctor) -> Check:
     client = doctor.conduit
     if client is None:
-        return Check("conduit", "ok", "not configured: classes without a handler stay with PHP")
+        assert doctor.settings is not None
+        elsewhere = "run on the PHP runner" if doctor.settings.runner else "stay with PHP"
+        return Check("conduit", "ok", f"not configured: classes without a handler {elsewhere}")
     try:
         host = client.call("conduit.ping")
     except ConduitAuthError:
@@ -339,6 +343,67 @@ def check_extension(doctor: Doctor) -> Check:
     return Check("extension", "ok", f"version {shipped_version()}, current")
 
 
+# How long doctor gives a PHP runner to boot and answer.
+RUNNER_TIMEOUT = 30.0
+RUNNER_OFF = "not applicable (the PHP runner is off: BRIDGE_PHORGE_ROOT is not set)"
+
+
+def check_php_runner(doctor: Doctor) -> Check:
+    """The PHP binary, its version, that the checkout bootstraps and that a runner answers:
+    one runner started as a worker starts it, asked to describe a class."""
+    doctor.require("settings")
+    assert doctor.settings is not None
+    runner = doctor.settings.runner
+    if runner is None:
+        return Check("php runner", "ok", RUNNER_OFF)
+    command = runner.command
+    started = time.monotonic()
+    try:
+        process = RunnerProcess(command)
+        try:
+            process.ready(RUNNER_TIMEOUT)
+            booted = time.monotonic() - started
+            answer = process.request(
+                {"op": "describe", "task": {"taskID": 1, "taskClass": "PhabricatorWorker"}},
+                RUNNER_TIMEOUT,
+            )
+        finally:
+            process.stop()
+    except RunnerBootError as exc:
+        return Check(
+            "php runner",
+            "fail",
+            f"{command.phorge_root} does not boot with {command.php} (check BRIDGE_PHORGE_ROOT "
+            f"and BRIDGE_RUNNER_PHP); its classes are held back: {exc}",
+        )
+    if answer.get("type") != "described":
+        return Check("php runner", "fail", f"the runner answered {answer!r}")
+    return Check(
+        "php runner",
+        "ok",
+        f"PHP {process.php_version} ({command.php}) boots {command.phorge_root} in "
+        f"{booted * 1000:.0f} ms and answers",
+    )
+
+
+def check_php_extension_files(doctor: Doctor) -> Check:
+    """The task run installed in the checkout, the one worker.execute runs there (the
+    runner always runs the copy this bridge ships)."""
+    doctor.require("settings")
+    assert doctor.settings is not None
+    if doctor.settings.runner is None:
+        return Check("php extension files", "ok", RUNNER_OFF)
+    status = phorge_extension.check(doctor.settings.runner.command.phorge_root)
+    if status:
+        return Check("php extension files", "ok", status.describe())
+    return Check(
+        "php extension files",
+        "warn",
+        f"{status.describe()} (the runner is not affected; worker.execute on this "
+        "checkout is): run `phorge-bridge phorge install-extension --phorge-root ...`",
+    )
+
+
 def _daemon_database(queue: PhorgeQueue) -> str | None:
     """The database of Phorge's daemon log, beside the worker one: ``{namespace}_daemon``."""
     url = queue.engine.url
@@ -409,6 +474,8 @@ CHECKS: list[Callable[[Doctor], Check]] = [
     check_conduit_token,
     check_conduit_breaker,
     check_extension,
+    check_php_runner,
+    check_php_extension_files,
     check_taskmasters,
     check_clock_skew,
 ]

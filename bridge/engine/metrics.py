@@ -39,9 +39,12 @@ from sqlalchemy import case, func, select
 
 from bridge._version import __version__
 from bridge.handlers.breaker import CircuitBreaker
+from bridge.handlers.php_runner import BREAKER_NAME as RUNNER_BREAKER
+from bridge.phorge.runner_pool import PoolListener, Restart, RunnerPool
+from bridge.phorge.runner_process import RunnerProcess
 from bridge.queue.beat_lock import beat_lock_holder
 from bridge.queue.dialect import is_mysql, owner_epoch
-from bridge.queue.model import YIELD_OWNER, State
+from bridge.queue.model import DUE_STATES, YIELD_OWNER, State
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.statements import state_case
 
@@ -105,6 +108,26 @@ CONDUIT_BREAKER_OPEN = Gauge(
     "1 while Conduit's circuit breaker holds PHP-only tasks back (max over processes)",
     multiprocess_mode="livemax",
 )
+PHP_RUNNER_UNAVAILABLE = Gauge(
+    "phorge_bridge_php_runner_unavailable",
+    "1 while the PHP runner cannot boot and its classes are held back (max over processes)",
+    multiprocess_mode="livemax",
+)
+PHP_RUNNER_PROCESSES = Gauge(
+    "phorge_bridge_php_runner_processes",
+    "PHP runner processes started and not yet ended, over the worker's processes",
+    multiprocess_mode="livesum",
+)
+PHP_RUNNER_RSS = Gauge(
+    "phorge_bridge_php_runner_rss_bytes",
+    "Resident memory of the PHP runner processes, as last read after a task",
+    multiprocess_mode="livesum",
+)
+PHP_RUNNER_RESTARTS = Counter(
+    "phorge_bridge_php_runner_restarts_total",
+    "PHP runner processes replaced, by cause (tasks, age, rss, reload, died, deadline)",
+    ["cause"],
+)
 WRITES_REFUSED = Gauge(
     "phorge_bridge_database_writes_refused",
     "1 while the database refuses this worker's writes (read-only, full): no task starts",
@@ -141,9 +164,38 @@ def observed_poll() -> Iterator[None]:
 
 
 def watch_breaker(breaker: CircuitBreaker) -> None:
-    """Show ``breaker``'s state in :data:`CONDUIT_BREAKER_OPEN`."""
-    CONDUIT_BREAKER_OPEN.set(int(breaker.is_open))
-    breaker.listeners.append(lambda is_open: CONDUIT_BREAKER_OPEN.set(int(is_open)))
+    """Show ``breaker``'s state in its gauge: :data:`CONDUIT_BREAKER_OPEN`, or the PHP
+    runner's :data:`PHP_RUNNER_UNAVAILABLE`."""
+    gauge = PHP_RUNNER_UNAVAILABLE if breaker.name == RUNNER_BREAKER else CONDUIT_BREAKER_OPEN
+    gauge.set(int(breaker.is_open))
+    breaker.listeners.append(lambda is_open: gauge.set(int(is_open)))
+
+
+class RunnerPoolMetrics(PoolListener):
+    """The PHP runner pool's processes, restarts by cause and memory, in the gauges."""
+
+    def __init__(self) -> None:
+        self._rss: dict[int, int] = {}
+
+    def started(self, process: RunnerProcess) -> None:
+        PHP_RUNNER_PROCESSES.inc()
+
+    def ended(self, process: RunnerProcess, cause: Restart | None) -> None:
+        PHP_RUNNER_PROCESSES.dec()
+        if cause is not None:
+            PHP_RUNNER_RESTARTS.labels(cause=cause.value).inc()
+        self._rss.pop(process.pid, None)
+        PHP_RUNNER_RSS.set(sum(self._rss.values()))
+
+    def returned(self, process: RunnerProcess, rss: int) -> None:
+        self._rss[process.pid] = rss
+        PHP_RUNNER_RSS.set(sum(self._rss.values()))
+
+
+def watch_runner_pool(pool: RunnerPool) -> None:
+    """Count ``pool``'s processes in the PHP runner metrics (once per pool)."""
+    if not any(isinstance(listener, RunnerPoolMetrics) for listener in pool.listeners):
+        pool.listeners.append(RunnerPoolMetrics())
 
 
 # -- prefork: every process counts in files of one directory -------------------------------
@@ -221,8 +273,6 @@ class ProcessesCollector:
 
 # -- read from the database at each scrape ------------------------------------------------
 
-DUE = (State.QUEUED.value, State.EXPIRED.value)
-
 
 @dataclass
 class QueueFigures:
@@ -237,7 +287,7 @@ class QueueFigures:
     def add(
         self, state: str, count: int, due_since: int | None, leased_at: int | None, now: int
     ) -> None:
-        if state in DUE:
+        if state in DUE_STATES:
             self.due += count
             self.oldest_due = max(self.oldest_due, now - (due_since or now))
         elif state == State.LEASED.value:

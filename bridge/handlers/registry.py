@@ -1,8 +1,9 @@
 """The handler registry: which handler runs a task class, or None (leave it to PHP).
 
 Native handlers come from the ``phorge_bridge.handlers`` entry-point group, so other
-packages can ship theirs; every other class goes to the Conduit proxy once it is
-configured. Include/exclude globs narrow both.
+packages can ship theirs; every other class goes to the PHP runner when
+``BRIDGE_PHORGE_ROOT`` is set and the class matches ``BRIDGE_RUNNER_CLASSES``, else to
+the Conduit proxy once it is configured. Include/exclude globs narrow them all.
 
 An entry point names one of:
 
@@ -25,7 +26,9 @@ from bridge.errors import BridgeError, DuplicateHandlerError
 from bridge.handlers.api import Handler
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.feed import FeedPublisherHTTPHandler
+from bridge.handlers.php_runner import PhpRunnerHandler
 from bridge.phorge.conduit import ConduitClient
+from bridge.phorge.runner_pool import RunnerPool
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "phorge_bridge.handlers"
@@ -69,6 +72,7 @@ class Registry:
         self,
         handlers: Iterable[Handler],
         *,
+        runner: PhpRunnerHandler | None = None,
         fallback: Handler | None = None,
         include: Iterable[str] = ("*",),
         exclude: Iterable[str] = (),
@@ -82,6 +86,7 @@ class Registry:
                         f"{task_class} is claimed by two handlers: {claimed.name} and "
                         f"{handler.name}; uninstall one, or publish only one of them"
                     )
+        self.runner = runner
         self.fallback = fallback
         self.include = tuple(include)
         self.exclude = tuple(exclude)
@@ -98,31 +103,40 @@ class Registry:
         try:
             return self._served[task_class]
         except KeyError:
-            handler = self.native.get(task_class, self.fallback)
+            handler = self.native.get(task_class)
+            if handler is None:
+                runs_here = self.runner is not None and self.runner.serves(task_class)
+                handler = self.runner if runs_here else self.fallback
             served = handler if self.allowed(task_class) else None
             return self._served.setdefault(task_class, served)
 
     def handlers(self) -> list[Handler]:
-        """Every handler that may serve a class, each once (the fallback last)."""
+        """Every handler that may serve a class, each once (the runner, then the fallback,
+        last)."""
         found = list({id(h): h for h in self.native.values()}.values())
-        return [*found, self.fallback] if self.fallback is not None else found
+        return found + [h for h in (self.runner, self.fallback) if h is not None]
 
     def runnable(self, task_classes: Iterable[str]) -> list[str]:
         return [c for c in task_classes if self.handler_for(c) is not None]
 
 
 def build_registry(settings: Settings) -> Registry:
-    """The registry this process serves with: published handlers, and, once Conduit is
-    configured, the native feed hook and the proxy for every other class (without it,
-    those classes stay queued for PHP)."""
+    """The registry this process serves with: published handlers; the PHP runner when a
+    Phorge checkout is set; once Conduit is configured, the native feed hook and the
+    proxy for every other class (without either, those classes stay queued for PHP)."""
     conduit = ConduitClient.from_settings(settings.conduit) if settings.conduit else None
     handlers = discover(settings, conduit)
     fallback = None
     if conduit is not None:
         handlers.append(FeedPublisherHTTPHandler(conduit))
         fallback = ConduitProxyHandler(conduit)
+    runner = None
+    if settings.runner is not None:
+        pool = RunnerPool(settings.runner)
+        runner = PhpRunnerHandler(pool, settings.runner.classes, settings.default_lease)
     return Registry(
         handlers,
+        runner=runner,
         fallback=fallback,
         include=settings.handlers_include,
         exclude=settings.handlers_exclude,

@@ -9,19 +9,23 @@
  *     bridge owns the lease and records the outcome itself).
  *   - worker.feedstory returns what FeedPublisherHTTPWorker would POST for a
  *     feed story, so the bridge can deliver feed.http-hooks itself.
- *   - worker.version reports the installed release and this file's sha256,
+ *   - worker.version reports the installed release and its files' sha256,
  *     so "phorge-bridge doctor" can tell a missing or outdated copy.
  *
  * All three methods are callable only by an authenticated administrator account
  * (typically a bot made administrator for the bridge, with an API token).
  *
  * Installed by "phorge-bridge phorge install-extension"; the installed copy
- * is overwritten on upgrade, so do not edit it. Every class lives in this one
- * file because Phorge loads extension files in no particular order.
+ * is overwritten on upgrade, so do not edit it. How a task runs lives in
+ * PhorgeBridgeTaskRun.php, installed next to this file and shared with the
+ * bridge's PHP runner; Phorge includes extension files in no particular
+ * order, so this file requires it itself.
  *
  * Written for PHP 7.2 (Phorge's minimum): no arrow functions, typed
  * properties or other newer syntax.
  */
+require_once dirname(__FILE__).'/PhorgeBridgeTaskRun.php';
+
 abstract class PhorgeBridgeConduitAPIMethod extends ConduitAPIMethod {
 
   const ERR_PERMISSION = 'ERR-BRIDGE-PERMISSION';
@@ -148,23 +152,11 @@ abstract class PhorgeBridgeConduitAPIMethod extends ConduitAPIMethod {
     return $value;
   }
 
-  final protected static function cleanMessage($message) {
-    $message = phutil_utf8ize((string)$message);
-    return id(new PhutilUTF8StringTruncator())
-      ->setMaximumBytes(4096)
-      ->truncateString($message);
-  }
-
 }
 
 
 final class PhorgeBridgeWorkerExecuteConduitAPIMethod
   extends PhorgeBridgeConduitAPIMethod {
-
-  const RESULT_SUCCESS = 'success';
-  const RESULT_YIELD = 'yield';
-  const RESULT_PERMANENT_FAILURE = 'permanent-failure';
-  const RESULT_FAILURE = 'failure';
 
   public function getAPIMethodName() {
     return 'worker.execute';
@@ -223,251 +215,15 @@ final class PhorgeBridgeWorkerExecuteConduitAPIMethod
           pht('Phorge is in read-only mode; task %d was not run.', $task_id));
     }
 
-    // Exactly how PhabricatorWorkerTaskData reads its "data" column
-    // (LiskDAO::SERIALIZATION_JSON): invalid JSON becomes null, as in Phorge.
-    $data = json_decode($raw_data, true);
-
-    // An in-memory task for the worker's getCurrentWorkerTask() and
-    // getWaitBeforeRetry(); ephemeral, so nothing can ever save it.
-    $task = id(new PhabricatorWorkerActiveTask())
-      ->setID($task_id)
-      ->setTaskClass($task_class)
-      ->setData($data)
-      ->setFailureCount($failure_count)
-      ->setPriority($priority)
-      ->setObjectPHID($object_phid)
-      ->setContainerPHID($container_phid);
-    $task->makeEphemeral();
-
-    // The daemons run workers without a time limit; so must we. The bridge
-    // bounds the wait on its side.
-    if (function_exists('set_time_limit')) {
-      @set_time_limit(0);
-    }
-
-    return $this->runTask($task, $failure_count, $priority);
-  }
-
-  private function runTask(
-    PhabricatorWorkerActiveTask $task,
-    $failure_count,
-    $priority) {
-
-    $result = array(
-      'result' => null,
-      'duration' => 0,
-      'followups' => array(),
-      'yieldDuration' => null,
-      'retryWait' => null,
-      'message' => null,
-      'requiredLease' => null,
-      'maximumRetryCount' => null,
-      'warnings' => array(),
-    );
-
-    $worker = null;
-    $caught = null;
-    $buffer_level = ob_get_level();
-    ob_start();
-    try {
-      $worker = $this->newWorker($task->getTaskClass(), $task->getData());
-      $worker->setCurrentWorkerTask($task);
-
-      // Phorge's rule (PhabricatorWorkerActiveTask::executeTask).
-      $maximum_failures = $worker->getMaximumRetryCount();
-      $result['maximumRetryCount'] = $maximum_failures;
-      if ($maximum_failures !== null) {
-        if ($failure_count > $maximum_failures) {
-          throw new PhabricatorWorkerPermanentFailureException(
-            pht(
-              'Task %d has exceeded the maximum number of failures (%d).',
-              $task->getID(),
-              $maximum_failures));
-        }
-      }
-
-      $lease = $worker->getRequiredLeaseTime();
-      $result['requiredLease'] = ($lease === null ? null : (int)$lease);
-
-      $t_start = microtime(true);
-        $worker->executeTask();
-      $duration = phutil_microseconds_since($t_start);
-
-      $result['result'] = self::RESULT_SUCCESS;
-      $result['duration'] = (int)$duration;
-    } catch (PhabricatorWorkerPermanentFailureException $ex) {
-      $result['result'] = self::RESULT_PERMANENT_FAILURE;
-      $message = $ex->getMessage();
-      if (!strlen($message)) {
-        $message = pht('%s (no message)', get_class($ex));
-      }
-      $result['message'] = self::cleanMessage($message);
-    } catch (PhabricatorWorkerYieldException $ex) {
-      $result['result'] = self::RESULT_YIELD;
-      $result['yieldDuration'] = max((int)$ex->getDuration(), 5);
-    } catch (Exception $ex) {
-      $caught = $ex;
-    } catch (Throwable $ex) {
-      $caught = $ex;
-    }
-
-    // Whatever a worker printed would corrupt the JSON response.
-    while (ob_get_level() > $buffer_level) {
-      ob_end_clean();
-    }
-
-    if ($caught) {
-      // As Phorge does before asking the worker for its wait: the task shows
-      // the exception and the failure count including this failure.
-      $task->setExecutionException($caught);
-      $task->setFailureCount($failure_count + 1);
-      $task->setFailureTime(time());
-
-      $retry = null;
-      if ($worker) {
-        try {
-          $retry = $worker->getWaitBeforeRetry($task);
-        } catch (Exception $ex) {
-          $result['warnings'][] = self::cleanMessage(
-            pht('getWaitBeforeRetry() failed: %s', $ex->getMessage()));
-        }
-      }
-      $retry = coalesce(
-        $retry,
-        PhabricatorWorkerLeaseQuery::getDefaultWaitBeforeRetry());
-
-      $result['result'] = self::RESULT_FAILURE;
-      $result['retryWait'] = (int)$retry;
-      $result['message'] = self::cleanMessage(
-        get_class($caught).': '.$caught->getMessage());
-    }
-
-    if ($result['result'] === self::RESULT_SUCCESS) {
-      $result['followups'] = $this->describeFollowups(
-        $worker,
-        $priority,
-        $result['warnings']);
-    }
-
-    return $result;
-  }
-
-  private function newWorker($class, $data) {
-    if (!preg_match('/^[A-Za-z_][A-Za-z0-9_]*\z/', $class)) {
-      throw new PhabricatorWorkerPermanentFailureException(
-        pht('Task class "%s" is not a valid class name.', $class));
-    }
-
-    // Unlike the daemon (which lets the autoloader throw and so retries a
-    // missing class forever), the bridge archives it: the class is unknown
-    // to this Phorge.
-    try {
-      $exists = class_exists($class);
-    } catch (Exception $ex) {
-      $exists = false;
-    }
-    if (!$exists) {
-      throw new PhabricatorWorkerPermanentFailureException(
-        pht("Task class '%s' does not exist!", $class));
-    }
-
-    if (!is_subclass_of($class, 'PhabricatorWorker')) {
-      throw new PhabricatorWorkerPermanentFailureException(
-        pht(
-          "Task class '%s' does not extend %s.",
-          $class,
-          'PhabricatorWorker'));
-    }
-
-    $reflection = new ReflectionClass($class);
-    if ($reflection->isAbstract()) {
-      throw new PhabricatorWorkerPermanentFailureException(
-        pht("Task class '%s' is abstract.", $class));
-    }
-
-    return newv($class, array($data));
-  }
-
-  /**
-   * The tasks the worker queued with queueTask(), as flushTaskQueue() would
-   * schedule them after a success, but returned instead of scheduled: the
-   * bridge inserts them in the transaction that archives this task.
-   */
-  private function describeFollowups(
-    PhabricatorWorker $worker,
-    $priority,
-    array &$warnings) {
-
-    // getQueuedTasks() is protected; read it in PhabricatorWorker's scope.
-    $reader = Closure::bind(
-      function () {
-        return $this->getQueuedTasks();
-      },
-      $worker,
-      'PhabricatorWorker');
-    $queued = $reader();
-
-    // flushTaskQueue() defaults follow-ups to the finished task's priority.
-    $defaults = array(
-      'priority' => (int)$priority,
-    );
-
-    $followups = array();
-    foreach ($queued as $spec) {
-      list($class, $data, $options) = $spec;
-      if (!is_array($options)) {
-        $options = array();
-      }
-      $options = $options + $defaults;
-
-      try {
-        // What scheduleTask() accepts; an invalid follow-up would make
-        // Phorge throw after archiving the task, so it is left out here.
-        PhutilTypeSpec::checkMap(
-          $options,
-          array(
-            'priority' => 'optional int|null',
-            'objectPHID' => 'optional string|null',
-            'containerPHID' => 'optional string|null',
-            'delayUntil' => 'optional int|null',
-          ));
-        if (!is_string($class) || !strlen($class)) {
-          throw new Exception(pht('Follow-up task class must be a string.'));
-        }
-        if (@json_encode($data) === false) {
-          throw new Exception(
-            pht('Follow-up data can not be JSON encoded: %s', json_last_error_msg()));
-        }
-      } catch (Exception $ex) {
-        $warnings[] = self::cleanMessage(
-          pht(
-            'Dropped follow-up task "%s": %s',
-            is_string($class) ? $class : gettype($class),
-            $ex->getMessage()));
-        continue;
-      }
-
-      $task_priority = idx($options, 'priority');
-      if ($task_priority === null) {
-        // scheduleTask(): an explicit null priority means the default.
-        $task_priority = PhabricatorWorker::PRIORITY_DEFAULT;
-      }
-
-      $delay = idx($options, 'delayUntil');
-      $followups[] = array(
-        'taskClass' => $class,
-        'data' => $data,
-        'options' => array(
-          'priority' => (int)$task_priority,
-          'objectPHID' => idx($options, 'objectPHID'),
-          'containerPHID' => idx($options, 'containerPHID'),
-          // scheduleTask() ignores a zero delay.
-          'delayUntil' => ($delay ? (int)$delay : null),
-        ),
-      );
-    }
-
-    return $followups;
+    $task = PhorgeBridgeTaskRun::newTask(
+      $task_id,
+      $task_class,
+      $raw_data,
+      $failure_count,
+      $priority,
+      $object_phid,
+      $container_phid);
+    return PhorgeBridgeTaskRun::run($task);
   }
 
 }
@@ -571,8 +327,8 @@ final class PhorgeBridgeVersionConduitAPIMethod
   public function getMethodDescription() {
     return pht(
       'Report which phorge-bridge extension is installed: its release and '.
-      'the sha256 of this file, which phorge-bridge doctor compares with the '.
-      'copy it ships. Administrators only.');
+      'the sha256 of its files, which phorge-bridge doctor compares with the '.
+      'copies it ships. Administrators only.');
   }
 
   protected function defineParamTypes() {
@@ -586,8 +342,18 @@ final class PhorgeBridgeVersionConduitAPIMethod
   protected function executeBridgeMethod(ConduitAPIRequest $request) {
     return array(
       'version' => self::VERSION,
-      'sha256' => hash_file('sha256', __FILE__),
+      'sha256' => self::getExtensionHash(),
     );
+  }
+
+  // The sha256 of the extension files' sha256 digests, in this order (the
+  // bridge's Python computes the same of the files it ships).
+  private static function getExtensionHash() {
+    $digests = '';
+    foreach (array(__FILE__, dirname(__FILE__).'/PhorgeBridgeTaskRun.php') as $path) {
+      $digests .= hash_file('sha256', $path);
+    }
+    return hash('sha256', $digests);
   }
 
 }

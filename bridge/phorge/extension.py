@@ -1,7 +1,9 @@
 """Install and check the PHP extension (``worker.execute``, ``worker.feedstory``) in Phorge.
 
 Phorge includes every ``.php`` file of ``src/extensions/`` at startup, so installing is a
-file copy; "current" means the installed bytes equal the ones shipped in this package.
+copy of the extension's files: the Conduit methods and the task run they share with the
+PHP runner. "Current" means the installed bytes equal the ones shipped in this package;
+one digest stands for them all (``worker.version`` computes the same in PHP).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 from bridge.errors import BridgeError
 
 EXTENSION_FILENAME = "PhorgeBridgeConduitAPIMethods.php"
+TASK_RUN_FILENAME = "PhorgeBridgeTaskRun.php"
+# In the order of the digest; the shared file is written first, so a Phorge process
+# starting during an install never includes methods without the run they require.
+EXTENSION_FILES = (EXTENSION_FILENAME, TASK_RUN_FILENAME)
 EXTENSIONS_DIR = Path("src") / "extensions"
 VERSION_METHOD = "worker.version"
 
@@ -55,18 +61,28 @@ class ExtensionStatus:
         )
 
 
-def shipped_source() -> bytes:
-    """The extension's PHP source as shipped in this package (package data)."""
-    return resources.files("bridge.phorge").joinpath(EXTENSION_FILENAME).read_bytes()
+def shipped_file(name: str) -> Path:
+    """Where a PHP file shipped in this package lies (package data, on disk)."""
+    return Path(str(resources.files("bridge.phorge").joinpath(name)))
+
+
+def shipped_source(name: str = EXTENSION_FILENAME) -> bytes:
+    """A PHP file's source as shipped in this package (package data)."""
+    return shipped_file(name).read_bytes()
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def extension_sha256(sources: list[bytes]) -> str:
+    """The digest of the extension's files: sha256 of their sha256 digests, in order."""
+    return _sha256("".join(_sha256(source) for source in sources).encode())
+
+
 def shipped_sha256() -> str:
-    """What ``worker.version`` answers when the installed copy is the shipped one."""
-    return _sha256(shipped_source())
+    """What ``worker.version`` answers when the installed copies are the shipped ones."""
+    return extension_sha256([shipped_source(name) for name in EXTENSION_FILES])
 
 
 def shipped_version() -> str:
@@ -102,16 +118,21 @@ def installed_path(phorge_root: Path) -> Path:
 
 
 def install(phorge_root: Path) -> Path:
-    """Copy the extension into ``<phorge_root>/src/extensions/``; return the installed path.
+    """Copy the extension into ``<phorge_root>/src/extensions/``; return the methods' path.
 
-    The file is written next to its destination and renamed over it, so a Phorge process
+    Each file is written next to its destination and renamed over it, so a Phorge process
     starting meanwhile includes either the old file or the new one, never half of one.
     """
     root = validate_phorge_root(phorge_root)
     target_dir = root / EXTENSIONS_DIR
     target_dir.mkdir(parents=True, exist_ok=True)
-    target = target_dir / EXTENSION_FILENAME
-    source = shipped_source()
+    for name in reversed(EXTENSION_FILES):
+        _write(target_dir / name, shipped_source(name))
+    return target_dir / EXTENSION_FILENAME
+
+
+def _write(target: Path, source: bytes) -> None:
+    target_dir = target.parent
     fd, tmp_name = tempfile.mkstemp(prefix=".phorge-bridge-", suffix=".tmp", dir=target_dir)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -123,7 +144,6 @@ def install(phorge_root: Path) -> Path:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    return target
 
 
 def check(phorge_root: Path) -> ExtensionStatus:
@@ -132,7 +152,7 @@ def check(phorge_root: Path) -> ExtensionStatus:
     target = installed_path(root)
     shipped = shipped_sha256()
     try:
-        installed = _sha256(target.read_bytes())
+        installed = extension_sha256([(target.parent / n).read_bytes() for n in EXTENSION_FILES])
     except FileNotFoundError:
         return ExtensionStatus(ExtensionState.MISSING, target, shipped)
     state = ExtensionState.CURRENT if installed == shipped else ExtensionState.OUTDATED

@@ -1,6 +1,7 @@
 """Worker lifecycle hooks: task tags on log lines, metrics counted across the pool's
-processes and exported at start, lease hand-back at warm shutdown; connected for an app
-by :func:`install`."""
+processes and exported at start, the PHP runner's processes started with the pool's and
+stopped with them, lease hand-back at warm shutdown; connected for an app by
+:func:`install`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
     worker_init,
+    worker_process_init,
+    worker_process_shutdown,
     worker_ready,
+    worker_shutdown,
     worker_shutting_down,
 )
 from celery.worker import state
@@ -25,6 +29,7 @@ from bridge.engine.metrics import (
     QueueCollector,
     count_across_processes,
     serve,
+    watch_runner_pool,
 )
 from bridge.engine.tracing import tag_log_lines
 from bridge.queue import Lease
@@ -55,7 +60,7 @@ def start_metrics(app: Celery) -> None:
         ports, address = settings.metrics_port, settings.metrics_address
         collectors = (
             ProcessesCollector(os.environ[MULTIPROC_DIR]),  # set by count_in_children
-            QueueCollector(rt.queue, rt.registry, settings.router),
+            QueueCollector(rt.queue, rt.registry, settings.router, settings.owner_prefix),
             ConsumersCollector(watch),
         )
         try:
@@ -75,6 +80,39 @@ def start_metrics(app: Celery) -> None:
             )
         else:
             log.info("metrics on %s:%d", address, port)
+
+
+def prefork(worker: object) -> bool:
+    """Whether the worker's tasks run in forked children (which start runners of their
+    own) rather than in this process."""
+    pool = getattr(worker, "pool_cls", None)
+    return "prefork" in str(getattr(pool, "__module__", pool))
+
+
+def warm_php_runner(size: int) -> None:
+    """Start this process's PHP runners (one per slot) so no first task waits for a boot."""
+    runner = runtime().registry.runner
+    if runner is not None:
+        watch_runner_pool(runner.pool)
+        runner.warm(size)
+
+
+def warm_php_runner_of_worker(sender: object = None, **_kwargs: object) -> None:
+    """A threads or solo worker runs tasks in this process: a runner per thread."""
+    if sender is not None and not prefork(sender):
+        warm_php_runner(int(getattr(sender, "concurrency", 1) or 1))
+
+
+def stop_php_runner(**_kwargs: object) -> None:
+    """Stop the idle runners at once (a busy one ends with its task's pipe)."""
+    runner = runtime().registry.runner
+    if runner is not None:
+        runner.pool.close()
+
+
+def stop_php_runner_of_worker(sender: object = None, **_kwargs: object) -> None:
+    if sender is not None and not prefork(sender):
+        stop_php_runner()
 
 
 def unstarted_leases() -> list[Lease]:
@@ -113,3 +151,7 @@ def install(app: Celery) -> None:
     worker_init.connect(count_in_children, weak=False)
     worker_ready.connect(lambda **_: start_metrics(app), weak=False)
     worker_shutting_down.connect(hand_back_leases, weak=False)
+    worker_init.connect(warm_php_runner_of_worker, weak=False)
+    worker_process_init.connect(lambda **_: warm_php_runner(1), weak=False)
+    worker_process_shutdown.connect(stop_php_runner, weak=False)
+    worker_shutdown.connect(stop_php_runner_of_worker, weak=False)

@@ -19,12 +19,16 @@ import pytest
 from bridge.phorge import extension as phorge_extension
 from bridge.phorge.extension import (
     EXTENSION_FILENAME,
+    EXTENSION_FILES,
+    TASK_RUN_FILENAME,
     ExtensionState,
     PhorgeRootError,
     check,
     install,
+    shipped_file,
     shipped_source,
 )
+from bridge.phorge.runner_process import RUNNER_FILENAME
 
 
 def php_binary() -> str:
@@ -41,8 +45,21 @@ def shipped_php_files() -> list[Path]:
     return files
 
 
-def test_shipped_files_are_the_installed_one() -> None:
-    assert [p.name for p in shipped_php_files()] == [EXTENSION_FILENAME]
+def test_shipped_files_are_the_extension_and_the_runner() -> None:
+    assert sorted(p.name for p in shipped_php_files()) == sorted(
+        [*EXTENSION_FILES, RUNNER_FILENAME]
+    )
+
+
+def test_the_methods_require_the_shared_task_run() -> None:
+    """One implementation of a run: worker.execute calls it, the runner too (no copy)."""
+    methods = shipped_source().decode()
+    assert f"require_once dirname(__FILE__).'/{TASK_RUN_FILENAME}';" in methods
+    assert "PhorgeBridgeTaskRun::run($task)" in methods
+    assert "executeTask()" not in methods and "getQueuedTasks" not in methods
+    runner = shipped_source(RUNNER_FILENAME).decode()
+    assert "PhorgeBridgeTaskRun::run($task)" in runner and "executeTask()" not in runner
+    assert "PhabricatorCaches::destroyRequestCache();" in shipped_source(TASK_RUN_FILENAME).decode()
 
 
 @pytest.mark.parametrize("path", shipped_php_files(), ids=lambda p: p.name)
@@ -152,20 +169,26 @@ def test_install_then_check(tmp_path: Path) -> None:
 
     installed = install(root)
     assert installed == root.resolve() / "src" / "extensions" / EXTENSION_FILENAME
-    assert installed.read_bytes() == shipped_source()
-    assert installed.stat().st_mode & 0o777 == 0o644
-    assert [p.name for p in installed.parent.iterdir()] == [EXTENSION_FILENAME]
+    assert sorted(p.name for p in installed.parent.iterdir()) == sorted(EXTENSION_FILES)
+    for name in EXTENSION_FILES:
+        copy = installed.parent / name
+        assert copy.read_bytes() == shipped_source(name)
+        assert copy.stat().st_mode & 0o777 == 0o644
     status = check(root)
     assert status.state is ExtensionState.CURRENT and status
     assert status.installed_sha256 == status.shipped_sha256
 
-    installed.write_text(installed.read_text().replace("worker.execute", "worker.old"))
-    status = check(root)
-    assert status.state is ExtensionState.OUTDATED and not status
-    assert "outdated" in status.describe()
+    for name in EXTENSION_FILES:  # either file outdated makes the extension outdated
+        copy = installed.parent / name
+        copy.write_text(copy.read_text().replace("phorge-bridge", "phorge-bridge (old)"))
+        status = check(root)
+        assert status.state is ExtensionState.OUTDATED and not status
+        assert "outdated" in status.describe()
+        install(root)  # an upgrade overwrites
+        assert check(root)
 
-    install(root)  # an upgrade overwrites
-    assert check(root)
+    (installed.parent / TASK_RUN_FILENAME).unlink()
+    assert check(root).state is ExtensionState.MISSING
 
 
 def test_install_keeps_phorges_readme(tmp_path: Path) -> None:
@@ -174,7 +197,7 @@ def test_install_keeps_phorges_readme(tmp_path: Path) -> None:
     extensions.mkdir()
     (extensions / "README").write_text("Phorge's own file\n")
     install(root)
-    assert sorted(p.name for p in extensions.iterdir()) == sorted(["README", EXTENSION_FILENAME])
+    assert sorted(p.name for p in extensions.iterdir()) == sorted(["README", *EXTENSION_FILES])
 
 
 def test_root_must_look_like_phorge(tmp_path: Path) -> None:
@@ -221,11 +244,16 @@ def test_the_cli_installs_and_checks_the_extension(tmp_path: Path) -> None:
 
 
 def test_worker_version_reports_this_release_and_the_hash_doctor_compares() -> None:
-    """doctor compares worker.version's sha256 (PHP's hash_file of the installed copy)
-    with the shipped bytes', and shows the release, the package's own."""
-    [path] = shipped_php_files()
+    """doctor compares worker.version's sha256 (PHP's digest of the installed files, as
+    getExtensionHash() computes it) with the shipped bytes', and shows the release, the
+    package's own."""
+    source = shipped_source().decode()
+    start = source.index("  private static function getExtensionHash() {")
+    body = source[source.index("{", start) + 1 : source.index("\n  }\n", start)]
+    methods = shipped_file(EXTENSION_FILENAME)
+    code = f"function h() {{ {body.replace('__FILE__', json.dumps(str(methods)))} }} echo h();"
     php_hash = subprocess.run(
-        [php_binary(), "-n", "-r", f"echo hash_file('sha256', {json.dumps(str(path))});"],
+        [php_binary(), "-n", "-r", code],
         capture_output=True,
         text=True,
         timeout=60,

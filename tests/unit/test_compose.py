@@ -37,7 +37,7 @@ def mounts(service: dict[str, Any]) -> dict[Path, str]:
 
 def test_every_worker_has_a_consumption_healthcheck_and_a_restart_policy():
     services = load(COMPOSE)["services"]
-    assert set(workers()) == {"control", "search"}
+    assert set(workers()) == {"control", "search", "php"}
     assert all(s["restart"] == "always" for s in services.values())
     for name, service in workers().items():
         words = shlex.split(service["command"].replace("'", " "))
@@ -76,3 +76,19 @@ def test_grafana_provisions_the_dashboard_on_the_compose_prometheus():
     panels = [p for p in json.loads(dashboard.read_text())["panels"] if p["type"] != "row"]
     assert panels and all(p["datasource"]["uid"] == source["uid"] for p in panels)
     assert all(t["expr"] for p in panels for t in p["targets"])
+
+
+def test_the_php_worker_runs_the_php_runner_on_the_mounted_checkout():
+    php = load(COMPOSE)["services"]["php"]
+    assert php["build"]["target"] == "php-worker" and php["profiles"] == ["php-runner"]
+    [volume] = php["volumes"]
+    host, inside, mode = volume.rsplit(":", 2)
+    assert host == "${PHORGE_CHECKOUT:-/srv/phorge}" and mode == "ro"
+    environment = php["environment"]
+    assert environment["BRIDGE_PHORGE_ROOT"] == f"{inside}/phorge"
+    assert environment["BRIDGE_RUNNER_RELOAD_STAMP"].startswith(f"{inside}/")
+    assert "bridge.control" in php["command"]  # the poller must see the checkout too
+    dockerfile = (COMPOSE.parent / "Dockerfile").read_text()
+    assert "FROM bridge AS php-worker" in dockerfile and "php-cli" in dockerfile
+    others = [s for n, s in load(COMPOSE)["services"].items() if "build" in s and n != "php"]
+    assert all(s["build"]["target"] == "bridge" for s in others)

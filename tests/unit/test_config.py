@@ -6,6 +6,7 @@ The Conduit settings' own checks live beside the client, in ``test_conduit_clien
 from __future__ import annotations
 
 import operator
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,7 @@ def test_defaults():
     assert settings.task_events is False  # Flower turns events on when it connects
     assert (settings.metrics_port, settings.metrics_address) == (None, "127.0.0.1")
     assert settings.conduit is None
+    assert settings.runner is None
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
@@ -90,6 +92,13 @@ ACCEPTED = [
     ("BRIDGE_METRICS_PORT", "65535", "metrics_port", range(65535, 65536)),
     ("BRIDGE_METRICS_PORT", "9100-9103", "metrics_port", range(9100, 9104)),
     ("BRIDGE_METRICS_ADDRESS", "0.0.0.0", "metrics_address", "0.0.0.0"),
+    ("BRIDGE_PHORGE_ROOT", "/srv/phorge", "runner.command.phorge_root", Path("/srv/phorge")),
+    ("BRIDGE_RUNNER_CLASSES", "*Search*, *Mail*", "runner_classes", ("*Search*", "*Mail*")),
+    ("BRIDGE_RUNNER_PHP", "/usr/bin/php8.2", "runner_php", None),
+    ("BRIDGE_RUNNER_MAX_TASKS", "1", "runner_max_tasks", 1),
+    ("BRIDGE_RUNNER_MAX_AGE", "60", "runner_max_age", 60.0),
+    ("BRIDGE_RUNNER_MAX_RSS", "128", "runner_max_rss", 128 * 1024 * 1024),
+    ("BRIDGE_RUNNER_RELOAD_STAMP", "/srv/deployed", "runner_reload_stamp", None),
 ]
 EXPECTED_GLOBS = {"BRIDGE_HANDLERS_INCLUDE": ("Phabricator*", "Herald*")}
 
@@ -167,7 +176,29 @@ REFUSED = [
     ({"BRIDGE_METRICS_PORT": "9103-9100"}, "BRIDGE_METRICS_PORT", "LOW-HIGH"),
     ({"BRIDGE_METRICS_PORT": "9100-70000"}, "BRIDGE_METRICS_PORT", "65535"),
     ({"BRIDGE_CONDUIT_URL": "https://phorge.example.com"}, "BRIDGE_CONDUIT_TOKEN", "token"),
+    ({"BRIDGE_RUNNER_MAX_TASKS": "0"}, "BRIDGE_RUNNER_MAX_TASKS", "positive"),
+    ({"BRIDGE_RUNNER_MAX_AGE": "never"}, "BRIDGE_RUNNER_MAX_AGE", "positive"),
+    ({"BRIDGE_RUNNER_MAX_RSS": "1.5G"}, "BRIDGE_RUNNER_MAX_RSS", "positive"),
 ]
+
+
+def test_the_runner_is_off_without_a_phorge_checkout():
+    assert load_settings({"BRIDGE_RUNNER_CLASSES": "*Search*"}).runner is None
+
+
+def test_the_runner_settings_go_together():
+    runner = load_settings(
+        {
+            "BRIDGE_PHORGE_ROOT": "/srv/phorge",
+            "BRIDGE_RUNNER_CLASSES": "*Search*",
+            "BRIDGE_RUNNER_PHP": "php8.2",
+            "BRIDGE_RUNNER_RELOAD_STAMP": "/srv/deployed",
+        }
+    ).runner
+    assert runner is not None
+    assert (runner.command.php, runner.classes) == ("php8.2", ("*Search*",))
+    assert runner.reload_stamp == Path("/srv/deployed")
+    assert (runner.max_tasks, runner.max_age, runner.max_rss) == (10_000, 3600.0, 512 * 2**20)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,143 @@
+"""The PHP runner handler: PHP-only task classes run in long-lived PHP processes here.
+
+When ``BRIDGE_PHORGE_ROOT`` names the host's Phorge checkout, the classes no native
+handler serves (those matching ``BRIDGE_RUNNER_CLASSES``) run in this worker process's
+:class:`~bridge.phorge.runner_pool.RunnerPool`, each process Phorge bootstrapped once,
+instead of paying a whole web request through Conduit. The PHP side is the same task run
+as ``worker.execute``'s, so the answer is read by the proxy's :func:`apply_result`.
+
+A task whose PHP dies (a fatal error, ``exit()``, a segfault, memory exhausted) or runs
+past its lease (its process is killed a little before the lease ends) fails temporarily,
+with the reason in PHP's words and the worker's own wait, asked of a fresh process. A
+runner that cannot boot is nobody's failure: the task yields and the breaker holds the
+classes back until a process boots again.
+"""
+
+from __future__ import annotations
+
+import logging
+from fnmatch import fnmatchcase
+from typing import Any
+
+from bridge.handlers.api import Handler, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.breaker import CircuitBreaker
+from bridge.handlers.conduit_proxy import READ_ONLY_YIELD, apply_result, execute_params
+from bridge.phorge.runner_pool import RunnerPool
+from bridge.phorge.runner_process import RunnerBootError, RunnerDied, RunnerTimedOut
+from bridge.queue.model import DEFAULT_RETRY_WAIT, MIN_YIELD_SECONDS
+
+log = logging.getLogger(__name__)
+
+BREAKER_NAME = "The PHP runner"
+# Boots are local and cheap: probe at least this often while the runner cannot boot, so
+# the classes come back within seconds of a fix.
+PROBE_BACKOFF_MAX = 5.0
+# Stop a run this share of its lease (at most a minute) before the lease ends, so its
+# failure is still written under the lease and the task never runs twice inside it.
+LEASE_MARGIN_SHARE = 0.1
+LEASE_MARGIN_MAX = 60.0
+# How long the small requests (describe a class, ask a wait) may take.
+SHORT_REQUEST = 30.0
+
+
+class PhpRunnerHandler(Handler):
+    """Serves the PHP-only classes matching ``classes`` with the pool's processes."""
+
+    phorge_defaults = True
+    breaker: CircuitBreaker  # always one: the runner can fail to boot
+
+    def __init__(self, pool: RunnerPool, classes: tuple[str, ...], default_lease: int) -> None:
+        self.pool = pool
+        self.classes = classes
+        self.default_lease = default_lease
+        self.breaker = CircuitBreaker(self.probe, name=BREAKER_NAME, max_backoff=PROBE_BACKOFF_MAX)
+        self._described: dict[str, dict[str, Any]] = {}
+
+    def serves(self, task_class: str) -> bool:
+        return any(fnmatchcase(task_class, glob) for glob in self.classes)
+
+    def probe(self) -> str | None:
+        """The breaker's probe: None once a process is booted (booting one if none is)."""
+        try:
+            self.pool.check()
+        except RunnerBootError as exc:
+            return str(exc)
+        return None
+
+    def warm(self, size: int) -> None:
+        """Start the pool's processes (at worker start); one that cannot start opens the
+        breaker, which says why once."""
+        try:
+            self.pool.warm(size)
+        except RunnerBootError as exc:
+            self.breaker.failure(str(exc))
+
+    def required_lease(self, task: TaskContext) -> int | None:
+        lease = self._describe(task).get("requiredLease")
+        return lease if isinstance(lease, int) else None
+
+    def maximum_retry_count(self, task: TaskContext) -> int | None:
+        count = self._describe(task).get("maximumRetryCount")
+        return count if isinstance(count, int) else None
+
+    def run(self, task: TaskContext) -> None:
+        if not self.breaker.allow():
+            raise Yield(f"held back: {self.breaker.reason}", delay=MIN_YIELD_SECONDS)
+        lease = self.required_lease(task) or self.default_lease
+        deadline = lease - min(LEASE_MARGIN_MAX, lease * LEASE_MARGIN_SHARE)
+        try:
+            with self.pool.checkout() as process:
+                process.tasks += 1
+                answer = process.request({"op": "run", "task": execute_params(task)}, deadline)
+        except RunnerBootError as exc:
+            self.breaker.failure(str(exc))
+            raise Yield(f"held back: {exc}", delay=MIN_YIELD_SECONDS) from None
+        except RunnerTimedOut as exc:
+            reason = f"ran past its lease ({lease} s) and was stopped at {deadline:.0f} s: {exc}"
+            raise self._died(task, reason) from None
+        except RunnerDied as exc:
+            raise self._died(task, str(exc)) from None
+        self.breaker.success()
+        if answer.get("type") == "read-only":
+            log.warning("task %s (%s): Phorge is read-only; yielding", task.id, task.task_class)
+            raise Yield("Phorge is read-only", delay=READ_ONLY_YIELD)
+        if answer.get("output"):
+            log.warning("task %s (%s) printed: %s", task.id, task.task_class, answer["output"])
+        apply_result(task, answer)
+
+    def _died(self, task: TaskContext, reason: str) -> TemporaryFailure:
+        """The failure of a run whose process ended, with the worker's own wait."""
+        log.error("task %s (%s): %s", task.id, task.task_class, reason)
+        return TemporaryFailure(reason, delay=self._wait_after_death(task, reason))
+
+    def _wait_after_death(self, task: TaskContext, reason: str) -> int:
+        """``getWaitBeforeRetry()`` asked of a fresh process (which replaces the dead
+        one), else Phorge's default."""
+        request = {"op": "wait", "task": execute_params(task), "message": reason}
+        try:
+            answer = self._ask(request)
+        except (RunnerBootError, RunnerDied) as exc:
+            log.warning("task %s: no wait before retry from PHP (%s); using Phorge's", task.id, exc)
+            return DEFAULT_RETRY_WAIT
+        wait = answer.get("retryWait")
+        return wait if isinstance(wait, int) else DEFAULT_RETRY_WAIT
+
+    def _describe(self, task: TaskContext) -> dict[str, Any]:
+        """The class's required lease and maximum retry count, asked once per class
+        (a class that kills its process when made is remembered as saying nothing)."""
+        try:
+            return self._described[task.task_class]
+        except KeyError:
+            pass
+        try:
+            answer = self._ask({"op": "describe", "task": execute_params(task)})
+        except RunnerBootError:
+            return {}  # not known yet; asked again when the runner boots
+        except RunnerDied as exc:
+            log.warning("%s: describing the class killed its PHP process: %s", task.task_class, exc)
+            answer = {}
+        return self._described.setdefault(task.task_class, answer)
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        with self.pool.checkout() as process:
+            return process.request(request, SHORT_REQUEST)
