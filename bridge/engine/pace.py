@@ -29,7 +29,10 @@ WINDOW = 10  # seconds of archive the pace is read from: long tasks need several
 MIN_COST = 0.0005  # seconds a task costs a worker beyond its archived duration
 # Runs of the window before their mean may fill a queue past its busy slots: a few short
 # runs (a class that is sometimes quick) must not send a backlog of slow ones at once.
-SHORT_EVIDENCE = 64
+SHORT_EVIDENCE = 16
+# Messages a queue's leases are spread over at least: the busy slots are measured, the
+# idle ones not, so as many processes or threads as this can start at once.
+SPREAD = 32
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,11 @@ class Pace:
         return max(FLOOR, fed, short)
 
     def message_size(self, in_flight: int, ahead: float, batch_max: int) -> int:
-        """Tasks one message carries: the leases spread over two messages a busy slot
-        (one running, one reserved), and at most ``ahead`` seconds of work, since a
-        worker holding a message starts nothing else until it is through."""
-        spread = in_flight // (2 * max(1, math.ceil(self.busy)))
+        """Tasks one message carries: the leases spread over :data:`SPREAD` messages, or
+        two a busy slot (one running, one reserved) when more, and at most ``ahead``
+        seconds of work, since a worker holding a message starts nothing else until it
+        is through."""
+        spread = in_flight // max(SPREAD, 2 * math.ceil(self.busy))
         return max(1, min(batch_max, spread, int(ahead / max(self.mean, MIN_COST))))
 
 

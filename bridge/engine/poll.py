@@ -148,11 +148,10 @@ def fill(
 
 
 def _repoll_at(leased: int, size: int, target: int, paced: bool) -> int | None:
-    """Which message of a dispatch asks for a poll once run. Paced, the first of every
-    dispatch: a paced queue holds a poll interval's work or so, so the refill must be
-    on its way while the rest runs. Unpaced, the middle one of a dispatch of half the
-    target or more: half the target is free by then; smaller dispatches ask nothing, so
-    at most one such chain of polls lives."""
-    if paced:
-        return 0
-    return -(-leased // size) // 2 if leased >= max(1, target // 2) else None
+    """Which message of a dispatch asks for a poll once run: its middle one. Paced, every
+    dispatch's: a paced queue holds about a poll interval of work, so a refill must be
+    on its way before it drains. Unpaced, only a dispatch of half the target or more
+    (half the target is free by then), so at most one such chain of polls lives."""
+    if not paced and leased < max(1, target // 2):
+        return None
+    return -(-leased // size) // 2

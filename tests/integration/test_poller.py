@@ -292,11 +292,15 @@ def test_a_broker_refusal_hands_back_the_unsent_leases(make_runtime, monkeypatch
     assert [owner for task_id, owner in owners.items() if task_id not in sent_ids] == [None] * 2
 
 
-def test_paced_every_dispatch_marks_its_first_message(make_runtime, sent):
+def test_paced_every_dispatch_marks_its_middle_message(make_runtime, sent):
     rt = make_runtime(DISPATCH_AHEAD="0.25")
     enqueue(rt, FAST, count=5)
     assert poll_once(rt) == pace.FLOOR
-    assert [m.repoll for m in sent] == [True, False]
+    assert [m.repoll for m in sent] == [False, True]
+    sent.clear()
+    enqueue(rt, FAST, priority=1000)  # the urgent lane: a message each, no mark
+    assert poll_once(rt) == 1
+    assert [m.repoll for m in sent] == [False]
 
 
 def test_unpaced_a_dispatch_of_half_the_capacity_or_more_marks_its_middle_task(make_runtime, sent):

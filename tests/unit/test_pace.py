@@ -20,13 +20,13 @@ def pace(count: int, seconds_each: float, span: int) -> Pace:
     ("runs", "leases", "message"),
     [
         # 50 ms tasks on two busy slots, 40 a second: the slots and a quarter second's
-        # starts, in messages of three (four messages: one running, one reserved a slot).
-        (pace(400, 0.05, 10), 12, 3),
+        # starts, a message each (spread over as many processes as may be idle).
+        (pace(400, 0.05, 10), 12, 1),
         # 1 s tasks on two slots: one waiting task at most, a message each.
         (pace(20, 1.0, 10), 3, 1),
         # No-op work: waiting behind 500 of them costs less than a quarter second;
-        # messages of BRIDGE_BATCH_MAX.
-        (pace(500, 0.0002, 1), 500, 16),
+        # 32 messages of them.
+        (pace(500, 0.0002, 1), 500, 15),
     ],
 )
 def test_a_queue_holds_what_its_busy_slots_start_within_ahead(runs, leases, message):
@@ -40,6 +40,13 @@ def test_a_few_short_runs_do_not_send_a_backlog_at_once():
     # backlog behind them: the queue grows from what its workers finish.
     assert in_flight_target(pace(10, 0.0004, 2), AHEAD, limit=500) == FLOOR
     assert in_flight_target(pace(SHORT_EVIDENCE, 0.0004, 2), AHEAD, limit=500) == 500
+
+
+def test_a_message_carries_at_most_ahead_seconds_of_work():
+    # 10 ms tasks on 16 busy slots: 32 messages would carry 14 each, 0.14 s of work.
+    runs = pace(1600, 0.01, 1)
+    assert runs.message_size(450, AHEAD, batch_max=16) == 14
+    assert runs.message_size(450, 0.1, batch_max=16) == 10
 
 
 def test_busy_slots_follow_littles_law():
