@@ -29,7 +29,7 @@ WINDOW = 10  # seconds of archive the pace is read from: long tasks need several
 MIN_COST = 0.0005  # seconds a task costs a worker beyond its archived duration
 # Runs of the window before their mean may fill a queue past its busy slots: a few short
 # runs (a class that is sometimes quick) must not send a backlog of slow ones at once.
-SHORT_EVIDENCE = 16
+SHORT_EVIDENCE = 64
 # Messages a queue's leases are spread over at least: the busy slots are measured, the
 # idle ones not, so as many processes or threads as this can start at once.
 SPREAD = 32
