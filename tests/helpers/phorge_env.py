@@ -24,6 +24,7 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 import pytest
+import sqlalchemy as sa
 from phorge_checkout import NotACheckout, check_checkout
 
 PHORGE_ROOT = os.environ.get("PHORGE_ROOT")
@@ -150,3 +151,16 @@ def php_server(root: Path, url: str, work: Path) -> Iterator[None]:
         yield
     finally:
         kill(server)
+
+
+def worker_database_url(env: dict[str, str]) -> str:
+    """The worker database Phorge's own configuration names (the helper's ``env``
+    answer: user, pass, host, port, db), as a URL for the bridge."""
+    return sa.URL.create(
+        "mysql+mysqldb",
+        username=env["user"],
+        password=env["pass"],
+        host=env["host"],
+        port=int(env["port"]) if env["port"] else None,
+        database=env["db"],
+    ).render_as_string(hide_password=False)

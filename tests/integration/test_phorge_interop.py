@@ -29,7 +29,7 @@ from typing import Any
 import outcomes
 import pytest
 import sqlalchemy as sa
-from phorge_env import Phorge, phorge_root
+from phorge_env import Phorge, phorge_root, worker_database_url
 from phorge_php import HELPER, InteropPHP, php_value
 
 from bridge.queue import OperatorActions, PhorgeQueue, make_engine
@@ -83,15 +83,7 @@ def php(phorge: Phorge) -> InteropPHP:
 def queue(php: InteropPHP) -> Iterator[PhorgeQueue]:
     """The bridge on the database Phorge's own configuration names."""
     env = php.call("env")
-    url = sa.URL.create(
-        "mysql+mysqldb",
-        username=env["user"],
-        password=env["pass"],
-        host=env["host"],
-        port=int(env["port"]) if env["port"] else None,
-        database=env["db"],
-    )
-    engine = make_engine(url.render_as_string(hide_password=False))
+    engine = make_engine(worker_database_url(env))
     with engine.connect() as conn:
         row = conn.exec_driver_sql("SELECT DATABASE(), @@port, @@datadir").one()
     assert tuple(row) == (env["db"], int(env["serverPort"]), env["datadir"]), (

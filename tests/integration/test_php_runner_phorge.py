@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
-from phorge_env import Phorge, phorge_root
+from phorge_env import Phorge, phorge_root, worker_database_url
 
 from bridge.config import load_settings
 from bridge.engine.batch import run_task
@@ -105,18 +105,10 @@ def phorge(tmp_path_factory: pytest.TempPathFactory) -> Phorge:
 @pytest.fixture(scope="module")
 def rt(phorge: Phorge) -> Iterator[Runtime]:
     """The bridge with the runner on this checkout, on the worker database it uses."""
-    env = phorge.php("env")
-    url = sa.URL.create(
-        "mysql+mysqldb",
-        username=env["user"],
-        password=env["pass"],
-        host=env["host"],
-        port=int(env["port"]) if env["port"] else None,
-        database=env["db"],
-    )
+    url = worker_database_url(phorge.php("env"))
     settings = load_settings(
         {
-            "BRIDGE_DATABASE_URL": url.render_as_string(hide_password=False),
+            "BRIDGE_DATABASE_URL": url,
             "BRIDGE_PHORGE_ROOT": str(phorge.root),
         }
     )
