@@ -82,11 +82,16 @@ def test_php_only_classes_run_in_warm_php_processes(make_bridge, database_url, a
         extra=("-P", pool),
     )
     bridge.wait_ready(worker)
-    warm = bridge.wait_until(
-        lambda: [p for p in descendants(worker.pid) if is_php_runner(p)] or None,
-        WAIT,
-        "warm PHP runner processes",
-    )
+
+    def runner_pids() -> list[int]:
+        return [p for p in descendants(worker.pid) if is_php_runner(p)]
+
+    def one_per_slot() -> list[int] | None:
+        found = runner_pids()
+        return found if len(found) == CONCURRENCY else None
+
+    # Each slot starts its own as it starts: wait for all of them, not the first.
+    warm = bridge.wait_until(one_per_slot, WAIT, "a warm PHP runner process per slot")
     bridge.beat()
 
     archived = bridge.wait_archived(ordinary, timeout=WAIT)
@@ -111,7 +116,7 @@ def test_php_only_classes_run_in_warm_php_processes(make_bridge, database_url, a
     followups = bridge.queue.list(TaskFilter(classes=["StandinSucceedWorker"]))
     pids = {task.data["pid"] for task in followups}
     assert len(followups) == ORDINARY and len(pids) <= CONCURRENCY + 2
-    runners = {p for p in descendants(worker.pid) if is_php_runner(p)}
+    runners = set(runner_pids())
     assert len(warm) == len(runners) == CONCURRENCY
     assert "killed by SIGSEGV" in worker.log() and "PHP Fatal error" in worker.log()
 
