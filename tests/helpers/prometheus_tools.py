@@ -9,7 +9,6 @@ package.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -25,10 +24,7 @@ def prometheus_binary(name: str) -> str:
     """The path of ``name`` (``promtool``, ``prometheus``) from Debian's package."""
     path = shutil.which(name)
     if path is None:
-        message = f"{name} not found: apt-get install prometheus (scripts/services.sh install)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        pytest.fail(f"{name} not found: the rules are untested (scripts/services.sh install)")
     return path
 
 
