@@ -30,8 +30,8 @@ MIN_COST = 0.0005  # seconds a task costs a worker beyond its archived duration
 # Runs of the window before their mean may fill a queue past its busy slots: a few short
 # runs (a class that is sometimes quick) must not send a backlog of slow ones at once.
 SHORT_EVIDENCE = 64
-# Messages a queue's leases are spread over at least: the busy slots are measured, the
-# idle ones not, so as many processes or threads as this can start at once.
+# Messages a queue's leases are spread over at least (paced or not): the busy slots are
+# measured, the idle ones not, so as many processes or threads as this can start at once.
 SPREAD = 32
 
 

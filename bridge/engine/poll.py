@@ -22,12 +22,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from bridge.engine.context import Runtime
-from bridge.engine.pace import WINDOW, Pace, in_flight_target
+from bridge.engine.pace import SPREAD, WINDOW, Pace, in_flight_target
 from bridge.handlers.api import Handler
 from bridge.queue.model import Held, Leased
 from bridge.queue.retry import WritesRefused
-
-SPREAD = 32
 
 
 class Send(Protocol):
