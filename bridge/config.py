@@ -354,6 +354,20 @@ class Settings:
     conduit_verify_tls: bool = setting(
         "BRIDGE_CONDUIT_VERIFY_TLS", "true", _boolean, "verify Conduit's TLS certificate"
     )
+    conduit_batch: int = setting(
+        "BRIDGE_CONDUIT_BATCH",
+        "16",
+        _positive_int,
+        "tasks of a message one `worker.execute` request runs (its bootstrap and token "
+        "check paid once for them); 1 sends each alone",
+    )
+    conduit_max_requests: int = setting(
+        "BRIDGE_CONDUIT_MAX_REQUESTS",
+        "1",
+        _positive_int,
+        "`worker.execute` requests one worker (all its pool's processes and threads) has "
+        "in flight at once; a fleet's sum must leave the web tier PHP workers for its users",
+    )
     phorge_root: str | None = setting(
         "BRIDGE_PHORGE_ROOT",
         "",
@@ -441,6 +455,8 @@ class Settings:
             connect_timeout=self.conduit_connect_timeout,
             read_timeout=self.conduit_read_timeout,
             verify_tls=self.conduit_verify_tls,
+            batch=self.conduit_batch,
+            max_requests=self.conduit_max_requests,
             token_setting=(
                 "BRIDGE_CONDUIT_TOKEN_FILE" if self.conduit_token_file else "BRIDGE_CONDUIT_TOKEN"
             ),

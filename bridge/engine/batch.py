@@ -2,7 +2,9 @@
 
 A task costs two round trips, the check (one read) and its outcome (one transaction);
 in a batch, an outcome travels with the next task's check, so a batch costs one round
-trip a task, and nothing runs before the outcome of the task before it is durable.
+trip a task, and nothing runs before the outcome of the task before it is durable. A
+handler that runs several tasks in one call (the Conduit proxy: one request) gets them
+checked one after another before the call and their outcomes written in one round trip.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 from bridge.engine.context import Runtime
 from bridge.engine.metrics import UNWRITTEN, outcome_counter
-from bridge.engine.run import Done, Ran, attempt, observers, retry_wait
+from bridge.engine.run import Done, Ran, Ready, execute, observers, prepare, retry_wait
 from bridge.engine.tracing import TaskTrace, traced
 from bridge.queue import Lease, Outcome, Task
 from bridge.queue.model import Leased
@@ -90,11 +92,14 @@ class Batch:
     A task's outcome is written, in its own committed transaction, in the round trip
     that checks the next task: a batch costs one round trip a task, plus one for the
     last outcome, and nothing runs before the outcome of the task before it is durable.
+    A handler that takes several tasks at once (``Handler.batch_limit``) gets a run of
+    consecutive tasks it serves, checked together before the call; their outcomes are
+    written together after it.
     """
 
     def __init__(self, rt: Runtime, owner: str, traceparent: str | None) -> None:
         self.rt, self.owner, self.traceparent = rt, owner, traceparent
-        self.pending: Finished | None = None
+        self.pending: list[Finished] = []  # outcomes to write, each with its write
         self.ran: list[tuple[Leased, Ran, str]] = []  # and each one's line
 
     def run(self, items: Sequence[Leased], budget: float | None = None) -> list[Leased]:
@@ -102,7 +107,8 @@ class Batch:
         writes, the rest is returned unrun (still leased, for the caller to send on)."""
         started = time.monotonic()
         gate = self.rt.writes
-        for index, item in enumerate(items):
+        index = 0
+        while index < len(items):
             if index and budget is not None and time.monotonic() - started >= budget:
                 self.flush()
                 return list(items[index:])
@@ -114,8 +120,9 @@ class Batch:
                 if index:
                     return list(items[index:])
                 gate.wait_open(self.rt.settings.dispatch_lease)
+            group = self.group(items, index)
             try:
-                self.step(item)
+                self.step(group)
             except WritesRefused as exc:
                 gate.refused(exc)
                 if index:
@@ -127,8 +134,26 @@ class Batch:
                     items[index:], f"database unavailable ({exc}); the lease will expire"
                 )
                 return []
+            index += len(group)
         self.flush()
         return []
+
+    def group(self, items: Sequence[Leased], index: int) -> Sequence[Leased]:
+        """The tasks from ``index`` on that run in one handler call: the consecutive ones
+        its handler serves, up to its ``batch_limit`` (one task for most handlers)."""
+        registry = self.rt.registry
+        first = items[index].task_class
+        handler = registry.handler_for(first) if first else None
+        end = index + 1
+        if handler is not None and handler.batch_limit > 1:
+            limit = min(len(items), index + handler.batch_limit)
+            while (
+                end < limit
+                and (cls := items[end].task_class)
+                and (registry.handler_for(cls) is handler)
+            ):
+                end += 1
+        return items[index:end]
 
     def unreported(self, items: Sequence[Leased], reason: str) -> None:
         for item in items:
@@ -138,69 +163,107 @@ class Batch:
     def trace(self, item: Leased) -> TaskTrace:
         return TaskTrace(item.id, item.task_class, self.owner, self.traceparent or "")
 
-    def step(self, item: Leased) -> None:
-        lease = Lease(item.id, self.owner, item.failure_count)
-        with traced(self.trace(item)):
-            ran = attempt(self.rt, lease, self.check(item, lease), self.traceparent)
-            if isinstance(ran, Ran):
-                self.record(item, ran)
-                return
-            try:
-                self.pending = Finished.of(self.rt, item, ran)
-            except ValueError as exc:  # a duration or wait out of Phorge's range
-                self.record(item, Finished(item, ran, None, None).verdict(exc))
-                return
-            if self.pending.write is None:
-                self.flush()
+    def step(self, group: Sequence[Leased]) -> None:
+        """Check, run and stage the outcomes of one handler call's tasks."""
+        leases = [Lease(item.id, self.owner, item.failure_count) for item in group]
+        checked = [self.check(group[0], leases[0])]
+        session = self.rt.queue.session
+        checked += [
+            session.held(lease, item.data)
+            for item, lease in zip(group[1:], leases[1:], strict=True)
+        ]
+        cleared: list[tuple[Leased, Ready]] = []
+        for item, lease, task in zip(group, leases, checked, strict=True):
+            with traced(self.trace(item)):
+                ready = prepare(self.rt, lease, task, self.traceparent)
+                if isinstance(ready, Ready):
+                    cleared.append((item, ready))
+                else:
+                    self.ended(item, ready)
+        if cleared:
+            with traced(self.trace(cleared[0][0])):
+                runs = execute(self.rt, [ready for _, ready in cleared])
+            for (item, _), ended in zip(cleared, runs, strict=True):
+                with traced(self.trace(item)):
+                    self.ended(item, ended)
+
+    def ended(self, item: Leased, ended: Ran | Done) -> None:
+        """Record a final run; stage an outcome to write (a success with follow-ups is
+        written at once, alone, with their ids)."""
+        if isinstance(ended, Ran):
+            self.record(item, ended)
+            return
+        try:
+            finished = Finished.of(self.rt, item, ended)
+        except ValueError as exc:  # a duration or wait out of Phorge's range
+            self.record(item, Finished(item, ended, None, None).verdict(exc))
+            return
+        if finished.write is not None:
+            self.pending.append(finished)
+            return
+        try:
+            written: bool | Exception = finished.write_alone(self.rt)
+        except WritesRefused as exc:
+            written = self.hold([finished], exc)[0]
+        except Exception as exc:
+            written = exc
+        self.settle([finished], [written])
 
     def check(self, item: Leased, lease: Lease) -> Task | None:
-        """The check of ``lease``, sharing its round trip with the pending outcome."""
+        """The check of ``lease``, sharing its round trip with the pending outcomes."""
         session = self.rt.queue.session
-        if self.pending is None:
+        if not self.pending:
             return session.held(lease, item.data)
-        assert self.pending.write is not None
+        pending, self.pending = self.pending, []
         try:
-            written, task = session.write_then_check([self.pending.write], lease, item.data)
+            written, task = session.write_then_check(
+                [f.write for f in pending if f.write is not None], lease, item.data
+            )
         except WritesRefused as exc:
-            self.settle(self.hold(exc))
+            self.settle(pending, self.hold(pending, exc))
             if not self.rt.writes.is_open:
                 raise  # the next task must not start
             return session.held(lease, item.data)
         except DatabaseUnavailable as exc:
-            self.settle(exc)
+            self.settle(pending, [exc] * len(pending))
             raise
         except Exception:
-            # The server refused the pending outcome: it is tried, and fails, alone.
+            # The server refused the pending outcomes: they are tried, and fail, alone.
+            self.pending = pending
             self.flush()
             return session.held(lease, item.data)
-        self.settle(written[0])
+        self.settle(pending, list(written))
         return task
 
-    def hold(self, refused: WritesRefused) -> bool | Exception:
-        """Try the pending outcome again, alone, while the database refuses writes, for
-        as long as its lease lasts: a refusal shorter than the lease loses no outcome
-        and runs nothing twice."""
-        assert self.pending is not None
+    def hold(self, pending: Sequence[Finished], refused: WritesRefused) -> list[bool | Exception]:
+        """Try the pending outcomes again, together, while the database refuses writes,
+        for as long as their leases last: a refusal shorter than a lease loses no
+        outcome and runs nothing twice."""
         gate = self.rt.writes
         gate.refused(refused)
+        expires = min(f.done.expires for f in pending)
         while True:
             gate.pause()
-            if time.monotonic() >= self.pending.done.expires:
-                return refused
+            if time.monotonic() >= expires:
+                return [refused] * len(pending)
             try:
-                return self.pending.write_alone(self.rt)
+                return list(self.apply(pending))
             except WritesRefused as again:
                 refused = again
             except Exception as exc:
-                return exc
+                return [exc] * len(pending)
 
-    def settle(self, written: bool | Exception) -> None:
-        if not isinstance(written, Exception) and not self.rt.writes.is_open:
+    def apply(self, pending: Sequence[Finished]) -> Sequence[bool]:
+        if len(pending) == 1:
+            return [pending[0].write_alone(self.rt)]
+        return self.rt.queue.session.apply([f.write for f in pending if f.write is not None])
+
+    def settle(self, pending: Sequence[Finished], written: Sequence[bool | Exception]) -> None:
+        if not self.rt.writes.is_open and any(not isinstance(w, Exception) for w in written):
             self.rt.writes.accepted()
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            with traced(self.trace(pending.item)):
-                self.record(pending.item, pending.verdict(written))
+        for finished, verdict in zip(pending, written, strict=True):
+            with traced(self.trace(finished.item)):
+                self.record(finished.item, finished.verdict(verdict))
 
     def record(self, item: Leased, ran: Ran) -> None:
         """Count and log how a task's run ended (under its trace)."""
@@ -212,16 +275,17 @@ class Batch:
             observer.run_ended(item, ran)
 
     def flush(self) -> None:
-        """Write the pending outcome on its own."""
-        if self.pending is None:
+        """Write the pending outcomes, together, in one round trip."""
+        if not self.pending:
             return
+        pending, self.pending = self.pending, []
         try:
-            written: bool | Exception = self.pending.write_alone(self.rt)
+            written: Sequence[bool | Exception] = self.apply(pending)
         except WritesRefused as exc:
-            written = self.hold(exc)
+            written = self.hold(pending, exc)
         except Exception as exc:
-            written = exc
-        self.settle(written)
+            written = [exc] * len(pending)
+        self.settle(pending, written)
 
 
 def run_task(

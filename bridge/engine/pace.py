@@ -30,9 +30,13 @@ MIN_COST = 0.0005  # seconds a task costs a worker beyond its archived duration
 # Runs of the window before their mean may fill a queue past its busy slots: a few short
 # runs (a class that is sometimes quick) must not send a backlog of slow ones at once.
 SHORT_EVIDENCE = 64
-# Messages a queue's leases are spread over at least (paced or not): the busy slots are
-# measured, the idle ones not, so as many processes or threads as this can start at once.
+# Messages an unpaced queue's leases are spread over at least: as many processes or
+# threads as this can start at once.
 SPREAD = 32
+# A paced queue's: two a busy slot, and at least this many, so idle slots start too
+# (the next poll measures them busy and spreads wider). Few, larger messages: each one
+# costs the worker about as much CPU as a short task.
+PACED_SPREAD = 8
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,11 @@ class Pace:
         return max(FLOOR, fed, short)
 
     def message_size(self, in_flight: int, ahead: float, batch_max: int) -> int:
-        """Tasks one message carries: the leases spread over :data:`SPREAD` messages, or
-        two a busy slot (one running, one reserved) when more, and at most ``ahead``
+        """Tasks one message carries: the leases spread over two messages a busy slot
+        (one running, one reserved), at least :data:`PACED_SPREAD`, and at most ``ahead``
         seconds of work, since a worker holding a message starts nothing else until it
         is through."""
-        spread = in_flight // max(SPREAD, 2 * math.ceil(self.busy))
+        spread = in_flight // max(PACED_SPREAD, 2 * math.ceil(self.busy))
         return max(1, min(batch_max, spread, int(ahead / max(self.mean, MIN_COST))))
 
 

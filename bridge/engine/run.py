@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 from bridge.engine.context import Runtime
 from bridge.engine.metrics import RENEWALS, run_timers
-from bridge.handlers.api import TaskContext
-from bridge.handlers.outcome import HandlerResult, policy, run_handler
+from bridge.handlers.api import Handler, TaskContext
+from bridge.handlers.outcome import HandlerResult, policy, run_handler, run_handlers
 from bridge.queue import Lease, Outcome, Task
 from bridge.queue.model import Leased
 
@@ -104,14 +105,27 @@ def context(task: Task, lease: Lease, traceparent: str | None = None) -> TaskCon
     )
 
 
-def attempt(
+@dataclass(frozen=True)
+class Ready:
+    """A checked task cleared to run: its handler and context, the lease seconds it has
+    left and the seconds its run may keep the lease renewed."""
+
+    lease: Lease
+    label: str
+    handler: Handler
+    ctx: TaskContext
+    remaining: int
+    budget: int
+
+
+def prepare(
     rt: Runtime,
     lease: Lease,
     task: Task | None,
     traceparent: str | None = None,
-) -> Ran | Done:
-    """Run a task its check found (``task``, None when the lease no longer held); returns
-    how the run ended, final (``Ran``) or with an outcome to write (``Done``)."""
+) -> Ran | Done | Ready:
+    """Everything before a task's run that its check found (``task``, None when the lease
+    no longer held): ended already (``Ran``, ``Done``) or cleared to run (``Ready``)."""
     for observer in _observers:
         observer.run_started(lease)
     if task is None:
@@ -140,13 +154,43 @@ def attempt(
         if not claimed:
             return Ran(Outcome.LEASE_LOST, "the lease was lost while claiming the required lease")
         remaining = required
-    budget = required or rt.settings.default_lease
+    return Ready(lease, task.label, handler, ctx, remaining, required or rt.settings.default_lease)
+
+
+def execute(rt: Runtime, group: Sequence[Ready]) -> list[Ran | Done]:
+    """Run tasks cleared to run, all of one handler: one ``run`` for one task, one
+    ``run_batch`` for several; each lease is kept renewed while the call lasts."""
+    handler = group[0].handler
     started = time.perf_counter()
-    with rt.keeper.watch(lease, task.label, remaining, budget) as watch:
-        result = run_handler(handler, ctx)
-    wall_time, duration = run_timers(task.task_class)
-    wall_time.observe(time.perf_counter() - started)
-    duration.observe(result.duration_us / 1e6)
-    if watch.lost:
-        return Ran(Outcome.LEASE_LOST, "the lease expired while the handler ran")
-    return Done(lease, result, watch.expires, ctx)
+    with ExitStack() as stack:
+        watches = [
+            stack.enter_context(rt.keeper.watch(r.lease, r.label, r.remaining, r.budget))
+            for r in group
+        ]
+        if len(group) == 1:
+            results = [run_handler(handler, group[0].ctx)]
+        else:
+            results = run_handlers(handler, [r.ctx for r in group])
+    share = (time.perf_counter() - started) / len(group)
+    ended: list[Ran | Done] = []
+    for ready, result, watch in zip(group, results, watches, strict=True):
+        wall_time, duration = run_timers(ready.ctx.task_class)
+        wall_time.observe(share)
+        duration.observe(result.duration_us / 1e6)
+        if watch.lost:
+            ended.append(Ran(Outcome.LEASE_LOST, "the lease expired while the handler ran"))
+        else:
+            ended.append(Done(ready.lease, result, watch.expires, ready.ctx))
+    return ended
+
+
+def attempt(
+    rt: Runtime,
+    lease: Lease,
+    task: Task | None,
+    traceparent: str | None = None,
+) -> Ran | Done:
+    """Run a task its check found (``task``, None when the lease no longer held); returns
+    how the run ended, final (``Ran``) or with an outcome to write (``Done``)."""
+    ready = prepare(rt, lease, task, traceparent)
+    return execute(rt, [ready])[0] if isinstance(ready, Ready) else ready

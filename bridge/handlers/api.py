@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -134,6 +134,9 @@ class Handler(ABC):
     # The transport's circuit breaker, for handlers that run the work elsewhere (the
     # Conduit proxy): while it is open, the handler is not available.
     breaker: CircuitBreaker | None = None
+    # How many leased tasks of a message ``run_batch`` may take at once: more than one
+    # for handlers whose every call pays a fixed price elsewhere (a Conduit request).
+    batch_limit: int = 1
 
     def available(self) -> bool:
         """Whether this handler can take work now: the poller leases its classes only
@@ -163,6 +166,18 @@ class Handler(ABC):
     @abstractmethod
     def run(self, task: TaskContext) -> None:
         """Do the work; queue follow-ups with ``task.queue_task``."""
+
+    def run_batch(self, tasks: Sequence[TaskContext]) -> list[Exception | None]:
+        """Run up to ``batch_limit`` checked tasks in order, in one go where the transport
+        allows; returns, for each, None (success) or what its ``run`` would have raised."""
+        ended: list[Exception | None] = []
+        for task in tasks:
+            try:
+                self.run(task)
+                ended.append(None)
+            except Exception as exc:
+                ended.append(exc)
+        return ended
 
 
 class FunctionHandler(Handler):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 from bridge.handlers.api import (
@@ -33,6 +34,7 @@ from bridge.phorge.conduit import (
     ConduitTimeoutError,
     ConduitTransportError,
 )
+from bridge.phorge.request_slots import RequestSlots
 from bridge.queue.model import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_RETRY_WAIT,
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 WORKER_EXECUTE = "worker.execute"
 
 ERR_READ_ONLY = "ERR-BRIDGE-READ-ONLY"  # raised by the extension in read-only mode
+ERR_PARAMETER = "ERR-BRIDGE-PARAMETER"  # the extension refused the request's parameters
 READ_ONLY_YIELD = 300
 # A task held back by a Conduit outage comes back this soon; the poller leases no proxied
 # class while the breaker is open, so it is not re-run before Conduit answers again.
@@ -253,7 +256,9 @@ class ConduitProxyHandler(Handler):
     """Serves every task class without a native handler by calling Phorge's worker.execute.
 
     ``build_registry`` makes it the registry's fallback once Conduit is configured; it
-    claims no ``task_classes`` of its own, so native handlers always come first.
+    claims no ``task_classes`` of its own, so native handlers always come first. Up to
+    ``batch`` tasks of a message go in one request (``run_batch``), and every request
+    holds one of the worker's ``slots`` while it is in flight.
     """
 
     breaker: CircuitBreaker  # always one: the transport is Conduit
@@ -263,10 +268,14 @@ class ConduitProxyHandler(Handler):
         client: ConduitClient,
         *,
         lease_overrides: Mapping[str, int] | None = None,
+        batch: int = 1,
+        slots: RequestSlots | None = None,
     ) -> None:
         self.client = client
         self.leases: dict[str, int] = {**PHORGE_REQUIRED_LEASES, **(lease_overrides or {})}
         self.breaker = CircuitBreaker(self.probe)
+        self.batch_limit = batch
+        self.slots = slots
 
     def probe(self) -> str | None:
         """The breaker's probe: None when Conduit answers and accepts the token, else why not.
@@ -295,24 +304,66 @@ class ConduitProxyHandler(Handler):
             return self.client.read_timeout
         return max(self.client.read_timeout, float(lease - LEASE_MARGIN))
 
+    def _execute(self, params: dict[str, Any], read_timeout: float, task: TaskContext) -> Any:
+        """One ``worker.execute`` request, in one of the worker's slots."""
+        with self.slots.held() if self.slots is not None else nullcontext():
+            return self.client.call(
+                WORKER_EXECUTE, params, read_timeout=read_timeout, headers=trace_headers(task)
+            )
+
+    def _held_back(self) -> Yield:
+        return Yield(
+            f"held back while Conduit is unavailable: {self.breaker.reason}", delay=OUTAGE_YIELD
+        )
+
     def run(self, task: TaskContext) -> None:
         if not self.breaker.allow():
-            raise Yield(
-                f"held back while Conduit is unavailable: {self.breaker.reason}",
-                delay=OUTAGE_YIELD,
-            )
+            raise self._held_back()
         try:
-            result = self.client.call(
-                WORKER_EXECUTE,
-                execute_params(task),
-                read_timeout=self._read_timeout(task),
-                headers=trace_headers(task),
-            )
+            result = self._execute(execute_params(task), self._read_timeout(task), task)
         except ConduitError as exc:
             raise conduit_failure(exc, task, self.client, self.breaker) from None
         self.breaker.success()
         self._check_lease(task, result)
         apply_result(task, result)
+
+    def run_batch(self, tasks: Sequence[TaskContext]) -> list[Exception | None]:
+        """The tasks in one request, each with its own outcome. A class with a long
+        required lease goes alone (it would hold the others back for hours), and so does
+        every task when the installed extension predates batches."""
+        if self.batch_limit == 1 or any(self.required_lease(t) is not None for t in tasks):
+            return super().run_batch(tasks)
+        if not self.breaker.allow():
+            return [self._held_back() for _ in tasks]
+        params = {"tasks": [execute_params(task) for task in tasks]}
+        try:
+            answer = self._execute(params, self.client.read_timeout, tasks[0])
+        except ConduitError as exc:
+            if exc.error_code == ERR_PARAMETER and "taskID" in (exc.error_info or ""):
+                logger.warning(
+                    "the worker.execute installed at %s runs one task a request: its "
+                    "extension predates batches (phorge-bridge phorge install-extension)",
+                    self.client.base_url,
+                )
+                self.batch_limit = 1
+                return super().run_batch(tasks)
+            failure = conduit_failure(exc, tasks[0], self.client, self.breaker)
+            return [failure for _ in tasks]
+        self.breaker.success()
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or len(results) != len(tasks):
+            logger.error("worker.execute answered a batch of %d with %.200r", len(tasks), answer)
+            wrong = TemporaryFailure(f"worker.execute answered a batch of {len(tasks)} wrongly")
+            return [wrong for _ in tasks]
+        return [self._ended(task, result) for task, result in zip(tasks, results, strict=True)]
+
+    def _ended(self, task: TaskContext, result: Any) -> Exception | None:
+        try:
+            self._check_lease(task, result)
+            apply_result(task, result)
+        except Exception as exc:
+            return exc
+        return None
 
     def _check_lease(self, task: TaskContext, result: Any) -> None:
         if not isinstance(result, dict):

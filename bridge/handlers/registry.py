@@ -28,6 +28,7 @@ from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.feed import FeedPublisherHTTPHandler
 from bridge.handlers.php_runner import PhpRunnerHandler
 from bridge.phorge.conduit import ConduitClient
+from bridge.phorge.request_slots import RequestSlots
 from bridge.phorge.runner_pool import RunnerPool
 
 log = logging.getLogger(__name__)
@@ -124,12 +125,14 @@ def build_registry(settings: Settings) -> Registry:
     """The registry this process serves with: published handlers; the PHP runner when a
     Phorge checkout is set; once Conduit is configured, the native feed hook and the
     proxy for every other class (without either, those classes stay queued for PHP)."""
-    conduit = ConduitClient.from_settings(settings.conduit) if settings.conduit else None
+    reach = settings.conduit
+    conduit = ConduitClient.from_settings(reach) if reach is not None else None
     handlers = discover(settings, conduit)
     fallback = None
-    if conduit is not None:
+    if reach is not None and conduit is not None:
         handlers.append(FeedPublisherHTTPHandler(conduit))
-        fallback = ConduitProxyHandler(conduit)
+        slots = RequestSlots(reach.max_requests)
+        fallback = ConduitProxyHandler(conduit, batch=reach.batch, slots=slots)
     runner = None
     if settings.runner is not None:
         pool = RunnerPool(settings.runner)

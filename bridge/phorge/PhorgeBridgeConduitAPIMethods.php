@@ -4,9 +4,10 @@
  * phorge-bridge: the Conduit methods that let phorge-bridge run Phorge's task
  * queue from Celery while Phorge's own PHP workers keep doing the work.
  *
- *   - worker.execute runs one leased task's worker in this PHP process and
- *     reports the outcome; it never reads or writes the queue tables (the
- *     bridge owns the lease and records the outcome itself).
+ *   - worker.execute runs one leased task's worker in this PHP process (or
+ *     several, in order, in one request) and reports each outcome; it never
+ *     reads or writes the queue tables (the bridge owns the leases and
+ *     records the outcomes itself).
  *   - worker.feedstory returns what FeedPublisherHTTPWorker would POST for a
  *     feed story, so the bridge can deliver feed.http-hooks itself.
  *   - worker.version reports the installed release and its files' sha256,
@@ -121,12 +122,8 @@ abstract class PhorgeBridgeConduitAPIMethod extends ConduitAPIMethod {
       ->setErrorDescription($message);
   }
 
-  final protected function readInteger(
-    ConduitAPIRequest $request,
-    $key,
-    $minimum) {
-
-    $value = $request->getValue($key);
+  final protected function readInteger(array $values, $key, $minimum) {
+    $value = idx($values, $key);
     if (is_string($value) && preg_match('/^-?\d+\z/', $value)) {
       $value = (int)$value;
     }
@@ -140,8 +137,8 @@ abstract class PhorgeBridgeConduitAPIMethod extends ConduitAPIMethod {
     return $value;
   }
 
-  final protected function readOptionalString(ConduitAPIRequest $request, $key) {
-    $value = $request->getValue($key);
+  final protected function readOptionalString(array $values, $key) {
+    $value = idx($values, $key);
     if ($value === null || $value === '') {
       return null;
     }
@@ -164,23 +161,25 @@ final class PhorgeBridgeWorkerExecuteConduitAPIMethod
 
   public function getMethodDescription() {
     return pht(
-      'Run one task of the worker queue in this process, on behalf of '.
-      'phorge-bridge, which holds the task\'s lease. Reports the outcome '.
-      '(success, yield, permanent-failure or failure) and returns the '.
-      'follow-up tasks the worker queued instead of scheduling them. Does '.
-      'not read or write the queue tables. Administrators only.');
+      'Run one task of the worker queue in this process, or several in '.
+      'order ("tasks"), on behalf of phorge-bridge, which holds their '.
+      'leases. Reports each outcome (success, yield, permanent-failure or '.
+      'failure) and returns the follow-up tasks the worker queued instead '.
+      'of scheduling them. Does not read or write the queue tables. '.
+      'Administrators only.');
   }
 
   protected function defineParamTypes() {
     return array(
-      'taskID' => 'required int',
-      'taskClass' => 'required string',
-      'data' => 'required string',
-      'failureCount' => 'required int',
-      'priority' => 'required int',
+      'taskID' => 'optional int',
+      'taskClass' => 'optional string',
+      'data' => 'optional string',
+      'failureCount' => 'optional int',
+      'priority' => 'optional int',
       'objectPHID' => 'optional phid|null',
       'containerPHID' => 'optional phid|null',
       'traceparent' => 'optional string|null',
+      'tasks' => 'optional list<map<string, wild>>',
     );
   }
 
@@ -188,20 +187,59 @@ final class PhorgeBridgeWorkerExecuteConduitAPIMethod
     return 'dict<string, wild>';
   }
 
+  /**
+   * One task (its fields as parameters) answers its result; a batch ("tasks",
+   * each one's fields) answers {"results": [...]}, one per task, in order:
+   * the request's bootstrap and token check are paid once for them all. Every
+   * task is checked before any runs, so a malformed batch runs nothing.
+   */
   protected function executeBridgeMethod(ConduitAPIRequest $request) {
-    $task_id = $this->readInteger($request, 'taskID', 1);
-    $failure_count = $this->readInteger($request, 'failureCount', 0);
-    $priority = $this->readInteger($request, 'priority', 0);
-    $object_phid = $this->readOptionalString($request, 'objectPHID');
-    $container_phid = $this->readOptionalString($request, 'containerPHID');
+    $specs = $request->getValue('tasks');
+    if ($specs === null) {
+      $tasks = array($this->readTask($request->getAllParameters()));
+    } else if (is_array($specs) && $specs && array_keys($specs) === range(0, count($specs) - 1)) {
+      $tasks = array();
+      foreach ($specs as $spec) {
+        if (!is_array($spec)) {
+          throw $this->newParameterException(
+            pht('Each entry of parameter "tasks" must be a map of task fields.'));
+        }
+        $tasks[] = $this->readTask($spec);
+      }
+    } else {
+      throw $this->newParameterException(
+        pht('Parameter "tasks" must be a non-empty list of tasks.'));
+    }
 
-    $task_class = $request->getValue('taskClass');
+    if (PhabricatorEnv::isReadOnly()) {
+      throw id(new ConduitException(self::ERR_READ_ONLY))
+        ->setErrorDescription(
+          pht(
+            'Phorge is in read-only mode; task %d was not run.',
+            $tasks[0]->getID()));
+    }
+
+    $results = array();
+    foreach ($tasks as $task) {
+      $results[] = PhorgeBridgeTaskRun::run($task);
+    }
+    return ($specs === null) ? head($results) : array('results' => $results);
+  }
+
+  private function readTask(array $spec) {
+    $task_id = $this->readInteger($spec, 'taskID', 1);
+    $failure_count = $this->readInteger($spec, 'failureCount', 0);
+    $priority = $this->readInteger($spec, 'priority', 0);
+    $object_phid = $this->readOptionalString($spec, 'objectPHID');
+    $container_phid = $this->readOptionalString($spec, 'containerPHID');
+
+    $task_class = idx($spec, 'taskClass');
     if (!is_string($task_class) || !strlen($task_class)) {
       throw $this->newParameterException(
         pht('Parameter "taskClass" must be a non-empty string.'));
     }
 
-    $raw_data = $request->getValue('data');
+    $raw_data = idx($spec, 'data');
     if (!is_string($raw_data)) {
       throw $this->newParameterException(
         pht(
@@ -209,13 +247,7 @@ final class PhorgeBridgeWorkerExecuteConduitAPIMethod
           'worker_taskdata row.'));
     }
 
-    if (PhabricatorEnv::isReadOnly()) {
-      throw id(new ConduitException(self::ERR_READ_ONLY))
-        ->setErrorDescription(
-          pht('Phorge is in read-only mode; task %d was not run.', $task_id));
-    }
-
-    $task = PhorgeBridgeTaskRun::newTask(
+    return PhorgeBridgeTaskRun::newTask(
       $task_id,
       $task_class,
       $raw_data,
@@ -223,7 +255,6 @@ final class PhorgeBridgeWorkerExecuteConduitAPIMethod
       $priority,
       $object_phid,
       $container_phid);
-    return PhorgeBridgeTaskRun::run($task);
   }
 
 }

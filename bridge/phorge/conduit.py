@@ -144,6 +144,9 @@ class ConduitSettings:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     read_timeout: float = DEFAULT_READ_TIMEOUT
     verify_tls: bool = True
+    # The proxy's: tasks per worker.execute request, and requests in flight per worker.
+    batch: int = 16
+    max_requests: int = 1
     # The setting the token came from, for messages that ask an operator to fix it.
     token_setting: str = "BRIDGE_CONDUIT_TOKEN"
 

@@ -1,7 +1,7 @@
 """Worker lifecycle hooks: task tags on log lines, metrics counted across the pool's
-processes and exported at start, the PHP runner's processes started with the pool's and
-stopped with them, lease hand-back at warm shutdown; connected for an app by
-:func:`install`."""
+processes and exported at start, Conduit's request slots shared by the pool, the PHP
+runner's processes started with the pool's and stopped with them, lease hand-back at
+warm shutdown; connected for an app by :func:`install`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from bridge.engine.metrics import (
     watch_runner_pool,
 )
 from bridge.engine.tracing import tag_log_lines
+from bridge.phorge import request_slots
 from bridge.queue import Lease
 from bridge.runtime.consumers import ConsumersCollector, ConsumerWatch, survey
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK
@@ -50,6 +51,13 @@ def count_in_children(**_kwargs: object) -> None:
     if current_settings().metrics_port:
         directory = count_across_processes()
         log.debug("metrics: the pool's processes count in %s", directory)
+
+
+def share_conduit_slots(**_kwargs: object) -> None:
+    """Make the worker's Conduit request slots before its pool forks, so that the bound
+    is the worker's, not each child's."""
+    if current_settings().conduit is not None:
+        request_slots.share_with_pool()
 
 
 def start_metrics(app: Celery) -> None:
@@ -149,6 +157,7 @@ def install(app: Celery) -> None:
     after_setup_logger.connect(tag_task_log_lines, weak=False)
     after_setup_task_logger.connect(tag_task_log_lines, weak=False)
     worker_init.connect(count_in_children, weak=False)
+    worker_init.connect(share_conduit_slots, weak=False)
     worker_ready.connect(lambda **_: start_metrics(app), weak=False)
     worker_shutting_down.connect(hand_back_leases, weak=False)
     worker_init.connect(warm_php_runner_of_worker, weak=False)

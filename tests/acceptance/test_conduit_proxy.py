@@ -314,6 +314,9 @@ def proxy(request, make_module_bridge, module_database_url) -> Iterator[Scenario
             CONDUIT_URL=server.url,
             CONDUIT_TOKEN=TOKEN,
             CONDUIT_READ_TIMEOUT=str(READ_TIMEOUT),
+            # Each task's HTTP answer is scripted on its own here; batched requests are
+            # test_conduit_batches.py's.
+            CONDUIT_BATCH="1",
             POLL_INTERVAL="0.2",
             RETRY_BASE=str(BACKOFF),
             RETRY_MAX=str(BACKOFF),

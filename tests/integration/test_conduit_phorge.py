@@ -26,9 +26,11 @@ from phorge_env import Phorge, phorge_root, php_server
 from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.feed import FeedPublisherHTTPHandler
+from bridge.handlers.outcome import run_handlers
 from bridge.phorge.conduit import ConduitAuthError, ConduitClient
 from bridge.phorge.extension import check, install
 from bridge.phorge.php import http_build_query
+from bridge.queue.model import Outcome
 
 # Runs inside Phorge (scripts/init/init-script.php): the test's window on Phorge's side.
 HELPER = r"""<?php
@@ -293,6 +295,38 @@ def test_proxy_does_not_touch_the_queue(phorge: ConduitPhorge, tokens: dict[str,
         handler.run(task)
     assert info.value.delay == 5
     assert phorge.rows(0) == before
+
+
+def test_one_request_runs_a_batch_each_task_with_its_own_outcome(
+    phorge: ConduitPhorge, tokens: dict[str, str]
+) -> None:
+    """The extension runs a batch in order, in one request, and answers each task's end;
+    a malformed entry refuses the whole batch before anything runs."""
+    proxy = ConduitProxyHandler(phorge.client(tokens["bridgetestadmin"]), batch=16)
+    ends = ['{}', '{"doWork":"fail-temporary","getWaitBeforeRetry":7}',
+            '{"doWork":"fail-permanent"}', '{}']  # fmt: skip
+    tasks = [
+        TaskContext(id=10**9 + i, task_class="PhabricatorTestWorker", data=json.loads(raw),
+                    failure_count=0, priority=1, raw_data=raw)
+        for i, raw in enumerate(ends)
+    ]  # fmt: skip
+    before = phorge.rows(0)
+    results = run_handlers(proxy, tasks)
+    assert [r.outcome for r in results] == [
+        Outcome.SUCCESS,
+        Outcome.FAILURE,
+        Outcome.PERMANENT_FAILURE,
+        Outcome.SUCCESS,
+    ]
+    assert results[1].delay == 7
+    assert proxy.batch_limit == 16, "the installed extension takes batches"
+    assert phorge.rows(0) == before
+    client = phorge.client(tokens["bridgetestadmin"])
+    bad = [{"taskID": 1, "taskClass": "PhabricatorTestWorker", "data": "{}",
+            "failureCount": 0, "priority": 1}, {"taskID": 0}]  # fmt: skip
+    with pytest.raises(Exception, match="taskID") as refused:
+        client.call("worker.execute", {"tasks": bad})
+    assert getattr(refused.value, "error_code", None) == "ERR-BRIDGE-PARAMETER"
 
 
 # -- Phorge's own task classes, end to end ------------------------------------------------------

@@ -22,11 +22,14 @@ def pace(count: int, seconds_each: float, span: int) -> Pace:
         # 50 ms tasks on two busy slots, 40 a second: the slots and a quarter second's
         # starts, a message each (spread over as many processes as may be idle).
         (pace(400, 0.05, 10), 12, 1),
+        # 4 ms tasks on one busy slot: a quarter second's starts in 8 messages, not one
+        # message for every two tasks (each message costs the worker a task's CPU).
+        (pace(2500, 0.004, 10), 63, 7),
         # 1 s tasks on two slots: one waiting task at most, a message each.
         (pace(20, 1.0, 10), 3, 1),
         # No-op work: waiting behind 500 of them costs less than a quarter second;
-        # 32 messages of them.
-        (pace(500, 0.0002, 1), 500, 15),
+        # messages as large as BRIDGE_BATCH_MAX allows.
+        (pace(500, 0.0002, 1), 500, 16),
     ],
 )
 def test_a_queue_holds_what_its_busy_slots_start_within_ahead(runs, leases, message):
@@ -43,7 +46,8 @@ def test_a_few_short_runs_do_not_send_a_backlog_at_once():
 
 
 def test_a_message_carries_at_most_ahead_seconds_of_work():
-    # 10 ms tasks on 16 busy slots: 32 messages would carry 14 each, 0.14 s of work.
+    # 10 ms tasks on 16 busy slots: 32 messages (two a slot) would carry 14 each, 0.14 s
+    # of work.
     runs = pace(1600, 0.01, 1)
     assert runs.message_size(450, AHEAD, batch_max=16) == 14
     assert runs.message_size(450, 0.1, batch_max=16) == 10
