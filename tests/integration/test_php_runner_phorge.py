@@ -1,26 +1,33 @@
 """The PHP runner on a real Phorge (runs only when PHORGE_ROOT is set).
 
-A Maniphest edit queues Phorge's real work (the transaction publish worker, then search
-indexing, feed and whatever else it schedules). One edit is drained by the bridge with
-the runner, in process, on Phorge's own worker database; another by Phorge itself
-(``bin/worker execute``). Both must leave the same classes archived, all successful, and
-the same effects: feed stories, the search index, the transactions.
+A Maniphest edit with a subscriber queues Phorge's real work (the transaction publish
+worker, then search indexing, feed, mail to the subscriber, the feed hook and whatever
+else it schedules). One edit is drained by the bridge with the runner, in process, on
+Phorge's own worker database, the tasks of each round in one batch as a Celery message
+carries them; another by Phorge itself (``bin/worker execute``). Both must leave the
+same classes archived with the same results, and the same effects: feed stories, the
+search index, the transactions, the mail (voided: no mailer is configured) and the feed
+hook's POST to a receiver here. The hook is set with ``bin/config`` for the module and
+unset after.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import threading
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from urllib.parse import parse_qs
 
 import pytest
 import sqlalchemy as sa
 from phorge_env import Phorge, phorge_root, worker_database_url
 
 from bridge.config import load_settings
-from bridge.engine.batch import run_task
+from bridge.engine.batch import Batch
 from bridge.engine.context import Runtime, build_runtime
-from bridge.queue.model import RESULT_SUCCESS, Outcome
+from bridge.queue.model import Leased, Outcome
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 
@@ -41,31 +48,36 @@ switch ($command) {
     }
     echo json_encode($out);
     break;
+  case 'users':
   case 'edit':
-    $name = 'bridgerunnertest';
-    $user = id(new PhabricatorPeopleQuery())->setViewer($viewer)
-      ->withUsernames(array($name))->executeOne();
-    if (!$user) {
-      $user = id(new PhabricatorUser())->setUsername($name)->setRealName($name)
-        ->setIsApproved(1);
-      $email = id(new PhabricatorUserEmail())->setAddress($name.'@example.com')
-        ->setIsVerified(1);
-      id(new PhabricatorUserEditor())->setActor($viewer)->createNewUser($user, $email);
+    $users = array();
+    foreach (array('bridgerunnertest', 'bridgerunnercc') as $name) {
+      $user = id(new PhabricatorPeopleQuery())->setViewer($viewer)
+        ->withUsernames(array($name))->executeOne();
+      if (!$user) {
+        $user = id(new PhabricatorUser())->setUsername($name)->setRealName($name)
+          ->setIsApproved(1);
+        $email = id(new PhabricatorUserEmail())->setAddress($name.'@example.com')
+          ->setIsVerified(1);
+        id(new PhabricatorUserEditor())->setActor($viewer)->createNewUser($user, $email);
+      }
+      $users[] = id(new PhabricatorPeopleQuery())->setViewer($viewer)
+        ->withPHIDs(array($user->getPHID()))->needUserSettings(true)->executeOne();
     }
-    $task = ManiphestTask::initializeNewTask($user);
-    $xactions = array(
-      id(new ManiphestTransaction())
-        ->setTransactionType(ManiphestTaskTitleTransaction::TRANSACTIONTYPE)
-        ->setNewValue($args['title']),
-      id(new ManiphestTransaction())
-        ->setTransactionType(ManiphestTaskDescriptionTransaction::TRANSACTIONTYPE)
-        ->setNewValue('Made by the PHP runner test.'),
-    );
-    id(new ManiphestTransactionEditor())->setActor($user)
-      ->setContentSource(PhabricatorContentSource::newForSource(
-        PhabricatorDaemonContentSource::SOURCECONST))
-      ->setContinueOnNoEffect(true)
-      ->applyTransactions($task, $xactions);
+    if ($command === 'users') {
+      break;
+    }
+    list($user, $cc) = $users;
+    // As a web or API edit makes it (the edit engine): feed, mail, hooks and all.
+    $edit = id(new ConduitCall('maniphest.edit', array(
+      'transactions' => array(
+        array('type' => 'title', 'value' => $args['title']),
+        array('type' => 'description', 'value' => 'Made by the PHP runner test.'),
+        array('type' => 'subscribers.add', 'value' => array($cc->getPHID())),
+      ),
+    )))->setUser($user)->execute();
+    $task = id(new ManiphestTaskQuery())->setViewer($viewer)
+      ->withPHIDs(array($edit['object']['phid']))->executeOne();
     echo json_encode(array('phid' => $task->getPHID()));
     break;
   case 'effects':
@@ -78,10 +90,18 @@ switch ($command) {
       $ferret->getDocumentTableName(), $phid);
     $xactions = id(new ManiphestTransactionQuery())->setViewer($viewer)
       ->withObjectPHIDs(array($phid))->execute();
+    $mails = id(new PhabricatorMetaMTAMail())->loadAllWhere(
+      'relatedPHID = %s', $phid);
+    $statuses = array();
+    foreach ($mails as $mail) {
+      $statuses[] = $mail->getStatus();
+    }
+    sort($statuses);
     echo json_encode(array(
       'feedStories' => count($stories),
       'indexed' => (int)$indexed['n'],
       'transactions' => count($xactions),
+      'mails' => $statuses,
     ));
     break;
   case 'archived':
@@ -89,8 +109,9 @@ switch ($command) {
     $tasks = id(new PhabricatorWorkerArchiveTaskQuery())->withIDs($args['ids'])->execute();
     $seen = array();
     foreach ($tasks as $task) {
-      $seen[] = array($task->getTaskClass(), (int)$task->getResult(), $task->getData());
+      $seen[] = array($task->getTaskClass(), (int)$task->getResult());
     }
+    sort($seen);
     echo json_encode($seen);
     break;
 }
@@ -102,9 +123,49 @@ def phorge(tmp_path_factory: pytest.TempPathFactory) -> Phorge:
     return Phorge.with_helper(phorge_root(), tmp_path_factory.mktemp("runner"), HELPER)
 
 
+class HookReceiver(HTTPServer):
+    """Keeps the ``storyData`` object PHID of every feed hook POST it receives."""
+
+    def __init__(self) -> None:
+        self.objects: list[str] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                form = parse_qs(body.decode())
+                receiver.objects += form.get("storyData[objectPHID]", [])
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
 @pytest.fixture(scope="module")
-def rt(phorge: Phorge) -> Iterator[Runtime]:
-    """The bridge with the runner on this checkout, on the worker database it uses."""
+def hooks(phorge: Phorge) -> Iterator[HookReceiver]:
+    """Phorge's ``feed.http-hooks`` pointed at a receiver here, for this module only."""
+    receiver = HookReceiver()
+    thread = threading.Thread(target=receiver.serve_forever, daemon=True)
+    thread.start()
+    uri = f"http://127.0.0.1:{receiver.server_address[1]}/"
+    done = phorge.bin("config", "set", "feed.http-hooks", json.dumps([uri]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        yield receiver
+    finally:
+        phorge.bin("config", "delete", "feed.http-hooks")
+        receiver.shutdown()
+        receiver.server_close()
+
+
+@pytest.fixture(scope="module")
+def rt(phorge: Phorge, hooks: HookReceiver) -> Iterator[Runtime]:
+    """The bridge with the runner on this checkout, on the worker database it uses (its
+    processes boot after the hook is configured)."""
     url = worker_database_url(phorge.php("env"))
     settings = load_settings(
         {
@@ -152,28 +213,46 @@ def classes_archived(rt: Runtime, ids: list[int]) -> list[tuple[str, int]]:
         return sorted((row.taskClass, row.result) for row in rows)
 
 
-def test_a_maniphest_edit_through_the_runner_has_phds_effects(phorge: Phorge, rt: Runtime) -> None:
+def test_a_maniphest_edit_through_the_runner_has_phds_effects(
+    phorge: Phorge, rt: Runtime, hooks: HookReceiver
+) -> None:
     def through_the_runner(ids: list[int]) -> None:
-        for task in rt.queue.lease(len(ids), 600, ids=ids):
-            assert run_task(rt, task.lease, task.raw_data).outcome is Outcome.SUCCESS
+        leased = rt.queue.lease(len(ids), 600, ids=ids)
+        (owner,) = {task.lease_owner for task in leased}
+        batch = Batch(rt, owner or "", None)
+        batch.run([Leased(t.id, t.failure_count, t.task_class, t.raw_data) for t in leased])
+        ended = {ran.outcome for _, ran, _ in batch.ran}
+        assert ended <= {Outcome.SUCCESS, Outcome.PERMANENT_FAILURE}, batch.ran
 
     def through_phorge(ids: list[int]) -> None:
         for task_id in ids:
             phorge.bin("worker", "execute", "--id", str(task_id))
 
+    before = max_id(rt)
+    phorge.php("users")  # made once, their own tasks run by Phorge: not part of an edit
+    drain(rt, before, through_phorge)
     results = {}
     for name, how in [("runner", through_the_runner), ("phorge", through_phorge)]:
         before = max_id(rt)
         edited = phorge.php("edit", json.dumps({"title": f"runner test {secrets.token_hex(4)}"}))
         ids = drain(rt, before, how)
-        results[name] = (classes_archived(rt, ids), phorge.php("effects", json.dumps(edited)))
+        archived = classes_archived(rt, ids)
+        effects = phorge.php("effects", json.dumps(edited))
+        effects["hooks"] = hooks.objects.count(edited["phid"])
+        results[name] = (archived, effects)
         if name == "runner":
             seen = phorge.php("archived", json.dumps({"ids": ids}))
-            assert len(seen) == len(ids) and {result for _, result, _ in seen} == {RESULT_SUCCESS}
+            assert sorted(tuple(row) for row in seen) == archived, "Phorge reads every row"
 
     runner_classes, runner_effects = results["runner"]
     phorge_classes, phorge_effects = results["phorge"]
     assert runner_classes == phorge_classes
-    assert "PhabricatorApplicationTransactionPublishWorker" in {c for c, _ in runner_classes}
+    classes = {c for c, _ in runner_classes}
+    assert {
+        "PhabricatorApplicationTransactionPublishWorker",
+        "PhabricatorMetaMTAWorker",
+        "FeedPublisherHTTPWorker",
+    } <= classes
     assert runner_effects == phorge_effects
     assert runner_effects["indexed"] == 1 and runner_effects["transactions"] >= 2
+    assert runner_effects["mails"] and runner_effects["hooks"] >= 1
