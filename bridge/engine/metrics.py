@@ -9,12 +9,9 @@ messages.
 
 from __future__ import annotations
 
-import atexit
 import errno
 import glob
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
@@ -47,6 +44,7 @@ from bridge.queue.dialect import is_mysql, owner_epoch
 from bridge.queue.model import DUE_STATES, YIELD_OWNER, State
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.statements import state_case
+from bridge.scratch import private_directory
 
 if TYPE_CHECKING:
     from bridge.handlers.registry import Registry
@@ -210,24 +208,12 @@ def count_across_processes() -> str:
     process is a worker, so the switch happens here, before the pool forks: the
     values made until now are made again, in files.
     """
-    directory = os.environ.get(MULTIPROC_DIR) or _private_directory()
+    directory = os.environ.get(MULTIPROC_DIR) or private_directory("phorge-bridge-metrics-")
     os.makedirs(directory, exist_ok=True)
     os.environ[MULTIPROC_DIR] = directory
     if not getattr(values.ValueClass, "_multiprocess", False):
         values.ValueClass = values.MultiProcessValue()
         _make_values_again()
-    return directory
-
-
-def _private_directory() -> str:
-    directory = tempfile.mkdtemp(prefix="phorge-bridge-metrics-")
-    creator = os.getpid()
-
-    def remove() -> None:
-        if os.getpid() == creator:  # never a forked child's exit
-            shutil.rmtree(directory, ignore_errors=True)
-
-    atexit.register(remove)
     return directory
 
 

@@ -11,15 +11,14 @@ execute``) gets one of its own.
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from bridge.scratch import private_directory
 
 # Where a worker's slots are; inherited by the processes its pool forks.
 DIRECTORY_ENV = "PHORGE_BRIDGE_CONDUIT_SLOTS"
@@ -31,15 +30,7 @@ def share_with_pool() -> str:
     directory = os.environ.get(DIRECTORY_ENV)
     if directory and os.path.isdir(directory):
         return directory
-    directory = tempfile.mkdtemp(prefix="phorge-bridge-conduit-")
-    os.environ[DIRECTORY_ENV] = directory
-    creator = os.getpid()
-
-    def remove() -> None:
-        if os.getpid() == creator:  # never a forked child's exit
-            shutil.rmtree(directory, ignore_errors=True)
-
-    atexit.register(remove)
+    directory = os.environ[DIRECTORY_ENV] = private_directory("phorge-bridge-conduit-")
     return directory
 
 

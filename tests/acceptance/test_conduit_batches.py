@@ -41,7 +41,7 @@ class BatchingPhorge:
         if request.path != "/api/worker.execute":  # the circuit breaker's probe
             return conduit_result({"userName": "bridge-bot", "roles": ["admin"]})
         params = request.params
-        tasks = params["tasks"] if "tasks" in params else [params]
+        tasks = params.get("tasks", [params])
         with self.lock:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
