@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,20 +30,27 @@ from benchkit import (
     mariadb,
     phorge,
     phorgedb,
+    php,
     plan,
     priority,
     procs,
     rabbit,
     unserved,
+    webtier,
 )
 from benchkit.consumers import REPO, Bridge, Consumer, Phd, ReferenceTaskmaster
+from benchkit.phpconsumers import ConduitBridge, PhpPhd, RunnerBridge
 from benchkit.plan import Scenario, Sizes
 from benchkit.procs import BenchError
 from benchkit.rabbit import Broker
-from benchkit.report import Context, Report, Result
-from benchkit.runner import NOOP, Runner
+from benchkit.report import Context, Report, Result, number
+from benchkit.runner import NOOP, Runner, Throughput
 
 DDL = REPO / "tests" / "reference" / "phorge-worker-schema.sql"
+PHP_WARM_UP = 32  # tasks before a PHP-section run: every runner process and web worker warm
+# Before each PHP-section run, wait (at most QUIET_TIMEOUT s) for a second with the
+# machine at most this busy: its runs are short, and one burst of other work moves them.
+QUIET_BUSY, QUIET_TIMEOUT = 0.15, 60.0
 
 
 class Log:
@@ -64,6 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=3309, help="port of the bench's MariaDB")
     parser.add_argument(
         "--redis-port", type=int, default=6390, help="port of the bench's Redis (6390)"
+    )
+    parser.add_argument(
+        "--web-port",
+        type=int,
+        default=phorge.WEB_PORT,
+        help=f"port of the PHP section's web tier, php -S ({phorge.WEB_PORT})",
     )
     parser.add_argument("--quick", action="store_true", help="few tasks, fewer scenarios")
     parser.add_argument(
@@ -92,6 +106,8 @@ class Bench:
     phorge_root: Path | None = None
     phd_error: str = ""
     redis: Broker | None = None  # the bench's own Redis, if installed and needed
+    php_setup: php.PhpSetup | None = None  # the PHP section's Phorge (issue 19)
+    php_error: str = ""
 
     def broker_for(self, s: Scenario) -> Broker:
         """The scenario's broker: RabbitMQ, the bench's Redis or a new SQLite file."""
@@ -125,7 +141,25 @@ class Bench:
             )  # fmt: skip
         if s.kind == "ceiling-sql":
             return ceilings.SqlLoop(name, self.scratch, server=self.server, broker=self.broker)
+        if s.kind in plan.PHP_KINDS:
+            return self.php_consumer(s)
         raise ValueError(s.kind)
+
+    def php_consumer(self, s: Scenario) -> Consumer:
+        """The PHP section's consumers, all on the copy ``php.prepare`` set up."""
+        setup = self.php_setup
+        if setup is None:
+            raise BenchError(f"PHP section not run: {self.php_error or self.phd_error}")
+        if s.kind == "php-phd":
+            return PhpPhd(
+                s.name, self.scratch, phorge_root=setup.root, env=setup.env,
+                processes=s.concurrency,
+            )  # fmt: skip
+        kind = RunnerBridge if s.kind == "php-runner" else ConduitBridge
+        return kind(
+            s.name, self.scratch, server=self.server, broker=self.broker, pool=s.pool,
+            concurrency=s.concurrency, beat_in_worker=True, setup=setup,
+        )  # fmt: skip
 
     def run(self, s: Scenario) -> Result:
         """One scenario; any error becomes the result's ``error``, for the report."""
@@ -149,6 +183,9 @@ class Bench:
 
     def measure(self, s: Scenario, result: Result) -> None:
         phorgedb.truncate(self.conn)
+        if s.kind in plan.PHP_KINDS:
+            self.measure_php(s, result)
+            return
         consumer = self.consumer(s)
         try:
             consumer.start()
@@ -171,6 +208,42 @@ class Bench:
         finally:
             consumer.stop()
 
+    def measure_php(self, s: Scenario, result: Result) -> None:
+        """A PHP-section run: warmed up on its own PHP-only class (which proves the class
+        is found and the path to PHP works), then a drain, with pings for the ping run."""
+        busy, waited = procs.wait_quiet(QUIET_BUSY, timeout=QUIET_TIMEOUT)
+        if waited > 1.5:
+            self.log(f"{s.name}: waited {waited:.0f} s for a quiet machine ({busy:.0%} busy)")
+        consumer = self.consumer(s)
+        assert self.php_setup is not None
+        workload = self.php_setup.resolve(s.workload)
+        try:
+            consumer.start()
+            self.runner.warm_up(consumer, workload, max(PHP_WARM_UP, 2 * s.concurrency))
+            if s.workload.measure == "ping" and isinstance(consumer, ConduitBridge):
+                web = consumer.web
+                assert web is not None
+
+                def drain(begin: Callable[[], None]) -> Throughput:
+                    consumer.on_released = begin
+                    return self.runner.throughput(consumer, workload, s.tasks)
+
+                result.ping, result.throughput = webtier.ping_during(
+                    web.url, self.sizes.php_ping_idle, drain
+                )
+            else:
+                result.throughput = self.runner.throughput(consumer, workload, s.tasks)
+            if isinstance(consumer, ConduitBridge):
+                pinged = len(result.ping.during) if result.ping else 0
+                served = consumer.web_requests() - consumer.requests_at_release
+                result.web_requests = served - pinged
+        except BenchError as exc:
+            raise BenchError(f"{exc}{consumer.diagnose()}{consumer.log_tails()}") from None
+        finally:
+            consumer.stop()
+            if isinstance(consumer, ConduitBridge) and consumer.web is not None:
+                result.opcache = {"start": consumer.web.opcache, "end": consumer.opcache_after}
+
 
 def summary(result: Result) -> str:
     if result.error:
@@ -185,6 +258,13 @@ def summary(result: Result) -> str:
         run = result.unserved
         return (
             f"{run.behind.rate:,.0f} tasks/s behind, {run.alone.rate:,.0f} alone ({run.ratio:.2f}x)"
+        )
+    if result.ping and result.ping.ratio is not None:
+        idle, during = result.ping.idle_p, result.ping.during_p
+        assert idle is not None and during is not None
+        return (
+            f"{number(result.rate)} tasks/s; conduit.ping p95 {idle.p95 * 1000:.0f} ms idle, "
+            f"{during.p95 * 1000:.0f} ms during the drain ({result.ping.ratio:.2f}x)"
         )
     return f"{result.rate:,.0f} tasks/s" if result.rate else "no figure"
 
@@ -265,15 +345,32 @@ def set_up(
             f"Redis: the bench's own on port {args.redis_port}, in memory (no persistence)."
         )
     phd_env, phd_error = None, ""
-    if phorge_root and any(s.kind == "phd" for s in scenarios):
+    setup, php_error = None, ""
+    wants_php = any(s.kind in plan.PHP_KINDS for s in scenarios)
+    if phorge_root and (wants_php or any(s.kind == "phd" for s in scenarios)):
         try:
-            install = stack.enter_context(phorge.install(phorge_root, server, conn, scratch, log))
+            taken = webtier.free_port_error(args.web_port) if wants_php else None
+            if taken:
+                raise BenchError(taken)
+            install = stack.enter_context(
+                phorge.install(phorge_root, server, conn, scratch, log, args.web_port)
+            )
             phd_env, phorge_root = install.env, install.root
             context.notes.extend(install.notes)
         except (BenchError, OSError, subprocess.SubprocessError) as exc:
             phd_error = str(exc)
             log(f"phd set-up failed, its scenarios will be reported as not run: {exc}")
             context.notes.append(f"phd: set-up failed: {phd_error.splitlines()[0]}")
+        if wants_php and phd_env is not None:
+            try:
+                # Before the queue tables are recreated: the rows Phorge queues as the
+                # users are made are dropped with them.
+                setup = stack.enter_context(php.prepare(install, log))
+                context.notes.extend(setup.notes)
+            except (BenchError, OSError, subprocess.SubprocessError, KeyError) as exc:
+                php_error = str(exc)
+                log(f"PHP section set-up failed, its scenarios will be reported as not run: {exc}")
+                context.notes.append(f"PHP section: set-up failed: {php_error.splitlines()[0]}")
     phorgedb.create_worker_tables(conn, DDL)
     context.notes.append(
         "MariaDB: private, durable (innodb_flush_log_at_trx_commit=1, doublewrite on), "
@@ -283,5 +380,5 @@ def set_up(
     runner = Runner(conn, server.proc.pid, log)
     return Bench(
         scratch, server, broker, conn, runner, tuned, log, sizes, phd_env, phorge_root,
-        phd_error, redis,
+        phd_error, redis, setup, php_error,
     )  # fmt: skip

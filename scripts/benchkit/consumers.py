@@ -67,9 +67,12 @@ class Consumer:
         return "".join(tails)
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds used so far per role (every process of every session of the role)."""
+        """CPU seconds used so far per role: every process of the role's families (its
+        sessions, and descendants that left them, as phd's daemon does)."""
+        table = procs.scan()
         return {
-            role: sum(procs.session_cpu(p.pid) for p in group) for role, group in self.roles.items()
+            role: sum(procs.family_cpu(p.pid, table) for p in group)
+            for role, group in self.roles.items()
         }
 
     def stop(self) -> None:

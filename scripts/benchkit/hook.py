@@ -13,7 +13,8 @@ so the bridge itself is measured unmodified. In every process it:
   thread CPU, and the counters so far (``records.RecordWriter``); in a bridge worker
   (``BENCH_BRIDGE_RUNS``), each Phorge task it runs too, batched or not;
 - writes an empty ``<ready dir>/<pid>`` once the worker is ready (Celery logs "ready."
-  only at INFO, which would slow the worker down).
+  only at INFO, which would slow the worker down), and an empty ``<record dir>/<pid>.beat``
+  in the process ``celery worker -B`` forks for beat, so its CPU is told apart.
 
 Everything is off unless ``BENCH_RECORD_DIR`` is set, so a stray import does nothing.
 
@@ -42,6 +43,7 @@ from benchkit.records import CounterBox, RecordWriter
 RECORD_DIR_ENV = "BENCH_RECORD_DIR"
 READY_DIR_ENV = "BENCH_READY_DIR"
 BRIDGE_RUNS_ENV = "BENCH_BRIDGE_RUNS"  # set for bridge workers: record each Phorge task
+BEAT_SUFFIX = ".beat"  # <record dir>/<pid>.beat: that process is an embedded beat
 
 # A quoted string or identifier, backslash escapes included (unrolled: the hook runs on
 # every query of the measured process, so it must cost it little).
@@ -62,6 +64,7 @@ def install() -> None:
     _count_database_requests()
     writer = RecordWriter(record_dir)
     _record_celery_tasks(writer, os.environ.get(READY_DIR_ENV))
+    _mark_embedded_beat(record_dir)
     if os.environ.get(BRIDGE_RUNS_ENV):
         _record_bridge_runs(writer)
 
@@ -177,6 +180,16 @@ def _record_celery_tasks(writer: RecordWriter, ready_dir: str | None) -> None:
     task_prerun.connect(prerun, weak=False)
     task_postrun.connect(postrun, weak=False)
     worker_ready.connect(ready, weak=False)
+
+
+def _mark_embedded_beat(record_dir: str) -> None:
+    """``worker -B`` forks beat as a process of its own: say which, for its CPU."""
+    from celery.signals import beat_embedded_init
+
+    def mark(**_kwargs: Any) -> None:
+        open(os.path.join(record_dir, f"{os.getpid()}{BEAT_SUFFIX}"), "w").close()
+
+    beat_embedded_init.connect(mark, weak=False)
 
 
 def record_runs(writer: RecordWriter, name: str) -> None:

@@ -32,11 +32,15 @@ UPGRADE_TIMEOUT = 1800
 PHP_MODULES = ("mysqli", "curl", "mbstring", "pcntl")  # what phd needs of PHP
 
 
+WEB_PORT = 8799  # the port of the copy's phabricator.base-uri (the PHP section's web tier)
+
+
 @dataclass
 class Install:
     root: Path  # the copy's phorge directory
     env: dict[str, str]
     notes: list[str] = field(default_factory=list)
+    web_port: int = WEB_PORT  # phabricator.base-uri is http://127.0.0.1:<web_port>/
 
 
 def check_checkout(root: Path) -> None:
@@ -47,8 +51,9 @@ def check_checkout(root: Path) -> None:
         raise BenchError(str(exc)) from None
 
 
-def local_config(server: Server, scratch: Path) -> dict[str, str]:
-    """What the copy's ``conf/local/local.json`` says: our server, logs in scratch."""
+def local_config(server: Server, scratch: Path, web_port: int = WEB_PORT) -> dict[str, str]:
+    """What the copy's ``conf/local/local.json`` says: our server, logs in scratch, and
+    the base URI the PHP section's web tier serves (Phorge answers only its own host)."""
     return {
         "mysql.host": "127.0.0.1",
         "mysql.port": str(server.port),
@@ -56,7 +61,7 @@ def local_config(server: Server, scratch: Path) -> dict[str, str]:
         "mysql.pass": PASSWORD,
         "storage.default-namespace": "phabricator",
         "phd.log-directory": str(scratch / "phd-log"),
-        "phabricator.base-uri": "http://127.0.0.1:8799/",
+        "phabricator.base-uri": f"http://127.0.0.1:{web_port}/",
     }
 
 
@@ -94,6 +99,7 @@ def install(
     conn: MySQLdb.Connection,
     scratch: Path,
     log: Callable[[str], None],
+    web_port: int = WEB_PORT,
 ) -> Iterator[Install]:
     """A configured, upgraded copy of the checkout; it lives (and dies) in ``scratch``."""
     check_checkout(checkout)
@@ -101,7 +107,7 @@ def install(
     root = copy_checkout(checkout, scratch / "phorge-copy")
     config = root / "conf" / "local" / "local.json"
     config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(json.dumps(local_config(server, scratch), indent=2))
+    config.write_text(json.dumps(local_config(server, scratch, web_port), indent=2))
     (scratch / "phd-log").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PHABRICATOR_ENV"}
     log("bin/storage upgrade --force on the bench's MariaDB (a few minutes)")
@@ -118,4 +124,4 @@ def install(
         "`phabricator_daemon.daemon_logevent`: server-side statements and commits that "
         "`phd start` would not make (phd's Questions minus the taskmaster's 7 per task).",
     ]
-    yield Install(root, env, notes)
+    yield Install(root, env, notes, web_port)

@@ -8,7 +8,7 @@ subtracts from the *global* status to count only the consumers' requests.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,24 +110,29 @@ def next_ids(cur: MySQLdb.cursors.Cursor, count: int) -> range:
 def enqueue(
     conn: MySQLdb.Connection,
     count: int,
-    data_json: str,
+    data_json: str | Sequence[str],
     priority: int = PRIORITY_DEFAULT,
+    task_class: str = TASK_CLASS,
 ) -> Batch:
-    """Queue ``count`` PhabricatorTestWorker tasks in ONE transaction, ids from lisk_counter.
+    """Queue ``count`` tasks (PhabricatorTestWorker unless told) in ONE transaction, ids
+    from lisk_counter.
 
     Rows are those ``PhabricatorWorker::scheduleTask`` writes (owner and expiry NULL,
     priority 2000 unless told, dates now); only the batching differs, so that every task
-    is due at the same instant and the clock starts at the commit.
+    is due at the same instant and the clock starts at the commit. ``data_json`` is every
+    task's data, or a sequence of data the tasks take in turn (task ``n`` the ``n % len``th:
+    search tasks spread over several documents).
     """
     now = int(time.time())
+    datas = [data_json] if isinstance(data_json, str) else list(data_json)
     with transaction(conn) as cur:
         ids = next_ids(cur, count)
-        cur.executemany(INSERT_DATA, [(data_json,)] * count)
+        cur.executemany(INSERT_DATA, [(datas[n % len(datas)],) for n in range(count)])
         # The bench is the only writer of data rows: ours are the newest ``count``.
         cur.execute("SELECT id FROM worker_taskdata ORDER BY id DESC LIMIT %s", (count,))
         data_ids = sorted(int(row[0]) for row in cur.fetchall())
         rows = [
-            (task_id, TASK_CLASS, data_id, priority, now, now)
+            (task_id, task_class, data_id, priority, now, now)
             for task_id, data_id in zip(ids, data_ids, strict=True)
         ]
         cur.executemany(INSERT_ACTIVE, rows)
@@ -157,6 +162,18 @@ def load(
             (ids.start - 1, task_class, data_before, priority, now, now),
         )
     conn.cursor().execute("ANALYZE TABLE worker_activetask, worker_taskdata")
+
+
+def mean_duration(conn: MySQLdb.Connection, batch: Batch) -> float | None:
+    """The mean ``duration`` (seconds) the batch's archive rows hold: the worker's own run
+    as each consumer measured it (phd, the bridge's PHP runner and Conduit: PHP's)."""
+    cur = conn.cursor()
+    cur.execute(
+        "SELECT AVG(duration) FROM worker_archivetask WHERE id BETWEEN %s AND %s",
+        (batch.first, batch.last),
+    )
+    value = cur.fetchone()[0]
+    return None if value is None else float(value) / 1_000_000
 
 
 def archived_durations(conn: MySQLdb.Connection, ids: list[int]) -> dict[int, int]:

@@ -6,14 +6,19 @@ prefork processes, ``t``: threads), workloads ``noop``, ``10ms``, ``io50`` and i
 ``priority``, ``priority-1s`` and ``unserved``. The throughput workloads' bridge runs on
 the bench's RabbitMQ with a separate beat; issue 21's as the README starts it, ``celery -A
 bridge worker -B``, on the embedded SQLite broker unless the name ends in ``-redis`` or
-``-rabbitmq``.
+``-rabbitmq``. Issue 19's PHP section, only with a Phorge checkout: ``php-phd-<w>-p<N>``,
+``php-runner-<w>[-t8]`` and ``php-conduit-<w>`` on PHP-only classes (``noop``,
+``search``), and ``php-conduit-ping``; its bridge runs as the README starts it, ``worker
+-B``, on the bench's RabbitMQ.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 from dataclasses import dataclass
 
+from benchkit.php import PHP_NOOP, PHP_PING, PHP_SEARCH
 from benchkit.runner import IO50, NOOP, PRIORITY, PRIORITY_1S, SLEEP10, UNSERVED, Workload
 
 
@@ -40,6 +45,11 @@ class Sizes:
     backlog_1s: int = 200
     unserved: int = 300_000  # rows left to PHP, queued ahead of ...
     served: int = 3000  # ... the no-op rows the bridge drains
+    # Issue 19's PHP section (PHP-only classes): the whole section in under 10 minutes.
+    php_noop: int = 3000  # as the other no-op runs: 2,000 last under 3 s on the runner
+    php_search: int = 1000
+    php_ping: int = 5000  # no-op tasks drained through Conduit while conduit.ping ...
+    php_ping_idle: int = 200  # ... and this many pings before it, the idle figure
 
 
 QUICK = Sizes(
@@ -58,7 +68,14 @@ QUICK = Sizes(
     backlog_1s=20,
     unserved=30_000,
     served=300,
+    php_noop=200,
+    php_search=60,
+    php_ping=500,
+    php_ping_idle=40,
 )
+PHP_KINDS = ("php-phd", "php-runner", "php-conduit")
+CORES = os.cpu_count() or 1  # celery worker's default concurrency
+CONDUIT_THREADS = 8  # the README's Conduit worker: -P threads -c 8
 
 SQLITE, REDIS, RABBITMQ = "sqlite", "redis", "rabbitmq"
 BROKERS = (SQLITE, REDIS, RABBITMQ)
@@ -83,7 +100,9 @@ class Scenario:
         """How the consumer ran, for the report."""
         if self.kind == "bridge":
             return f"{self.pool} -c {self.concurrency}"
-        if self.kind in ("taskmaster", "phd"):
+        if self.kind in ("php-runner", "php-conduit"):
+            return f"worker -B, {self.pool} -c {self.concurrency}"
+        if self.kind in ("taskmaster", "phd", "php-phd"):
             return f"{self.concurrency} process{'es' if self.concurrency > 1 else ''}"
         return ""
 
@@ -157,6 +176,44 @@ def issue21(sizes: Sizes, with_phd: bool, brokers: tuple[str, ...]) -> list[Scen
     return found
 
 
+def php(sizes: Sizes) -> list[Scenario]:
+    """Issue 19's PHP section: phd x1 and x2, the bridge on the PHP runner (the README's
+    default, prefork one process per core, and threads -c 8 for the no-op) and through
+    Conduit (threads -c 8), on the no-op class and on search; then conduit.ping during a
+    drain through Conduit."""
+    found = []
+    for workload, tasks in ((PHP_NOOP, sizes.php_noop), (PHP_SEARCH, sizes.php_search)):
+        for n in (1, 2):
+            found.append(
+                Scenario(f"php-phd-{workload.key}-p{n}", "php-phd", workload, tasks, concurrency=n)
+            )
+    runners = [
+        ("php-runner-noop", PHP_NOOP, sizes.php_noop, "prefork", CORES),
+        ("php-runner-noop-t8", PHP_NOOP, sizes.php_noop, "threads", CONDUIT_THREADS),
+        ("php-runner-search", PHP_SEARCH, sizes.php_search, "prefork", CORES),
+    ]
+    conduits = [
+        ("php-conduit-noop", PHP_NOOP, sizes.php_noop),
+        ("php-conduit-search", PHP_SEARCH, sizes.php_search),
+        ("php-conduit-ping", PHP_PING, sizes.php_ping),
+    ]
+    for name, workload, tasks, pool, n in runners:
+        found.append(
+            Scenario(
+                name, "php-runner", workload, tasks, settings="default", pool=pool,
+                concurrency=n, beat_in_worker=True,
+            )
+        )  # fmt: skip
+    for name, workload, tasks in conduits:
+        found.append(
+            Scenario(
+                name, "php-conduit", workload, tasks, settings="default", pool="threads",
+                concurrency=CONDUIT_THREADS, beat_in_worker=True,
+            )
+        )  # fmt: skip
+    return found
+
+
 def build(
     sizes: Sizes,
     with_phd: bool,
@@ -164,7 +221,8 @@ def build(
     brokers: tuple[str, ...] = BROKERS,
 ) -> list[Scenario]:
     """Every scenario in running order (references and ceilings first, issue 21's last),
-    filtered; ``brokers`` are those this machine has."""
+    filtered; ``brokers`` are those this machine has. Without a Phorge checkout
+    (``with_phd`` false) neither phd nor the PHP section is run."""
     scenarios = [
         Scenario(
             "ceiling-celery",
@@ -177,6 +235,7 @@ def build(
         *references("taskmaster", sizes),
         *(references("phd", sizes) if with_phd else []),
         *bridge(sizes),
+        *(php(sizes) if with_phd else []),
         *issue21(sizes, with_phd, brokers),
     ]
     if only:

@@ -6,7 +6,9 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from textwrap import indent
+from typing import Any
 
+from benchkit import phpreport
 from benchkit.ceilings import CeilingResult
 from benchkit.plan import Scenario
 from benchkit.priority import BACKLOG_PRIORITY, PriorityRun, Spread, Urgent
@@ -18,6 +20,7 @@ from benchkit.unserved import (
     UNSERVED_PRIORITY,
     UnservedRun,
 )
+from benchkit.webtier import PingRun
 
 HOW_TO_READ = """\
 **How to read this.** Every consumer drains the same Phorge queue
@@ -60,6 +63,9 @@ class Result:
     light: Latency | None = None
     priority: PriorityRun | None = None
     unserved: UnservedRun | None = None
+    ping: PingRun | None = None
+    opcache: dict[str, Any] | None = None  # the Conduit web tier's, at start and at the end
+    web_requests: int | None = None  # requests the web tier served for the drain (Conduit)
     error: str | None = None
     wall: float = 0.0  # seconds the whole scenario took, start-up included
 
@@ -173,6 +179,7 @@ class Report:
             *self.per_workload(self.cost_table),
             self.priority_table(),
             self.unserved_table(),
+            phpreport.Section(self.results).render(),
             self.failures(),
         ]
         return "\n\n".join(p for p in parts if p) + "\n"

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import MySQLdb
 
@@ -38,12 +39,21 @@ STALL_TIMEOUT = 30.0  # a run fails when nothing is archived for this long
 class Workload:
     key: str  # used in scenario names
     label: str
-    data: dict[str, float]
+    data: dict[str, Any]
     measure: str = "throughput"  # or "priority", "unserved": what a run of it measures
+    task_class: str = phorgedb.TASK_CLASS
+    # When set, the tasks take these data in turn instead of ``data`` (the PHP section's
+    # search tasks, over documents only known once Phorge is set up).
+    variants: tuple[str, ...] = ()
 
     @property
     def data_json(self) -> str:
         return json.dumps(self.data, separators=(",", ":"))
+
+    @property
+    def payload(self) -> str | tuple[str, ...]:
+        """What ``phorgedb.enqueue`` is given as the tasks' data."""
+        return self.variants or self.data_json
 
 
 NOOP = Workload("noop", "no-op", {})
@@ -100,6 +110,9 @@ class Throughput:
     machine_busy: float  # 0..1 of all cores
     others_busy: float  # 0..1 of all cores, used by processes the bench does not account for
     problems: list[str] = field(default_factory=list)
+    machine_cpu: float | None = None  # CPU seconds the machine was busy, whoever used them
+    bench_cpu: float | None = None  # the bench's own process (enqueue, polling, pings)
+    mean_duration: float | None = None  # mean archived ``duration``: the worker's own run
 
     @property
     def rate(self) -> float:
@@ -161,7 +174,7 @@ class Runner:
 
     def warm_up(self, consumer: Consumer, workload: Workload, count: int) -> None:
         """Run a small batch first: proves the consumer works, and warms its processes."""
-        batch = phorgedb.enqueue(self.conn, count, workload.data_json)
+        batch = phorgedb.enqueue(self.conn, count, workload.payload, task_class=workload.task_class)
         self.wait_archived(consumer, batch, POLL_NO_RECORDS)
         if consumer.records is not None:
             self.batch_records(consumer, batch)
@@ -208,7 +221,7 @@ class Runner:
         machine_before, bench_before = procs.MachineCPU.sample(), time.process_time()
         server_before = ServerSample.take(self.conn)
         since = time.time()
-        batch = phorgedb.enqueue(self.conn, count, workload.data_json, priority)
+        batch = phorgedb.enqueue(self.conn, count, workload.payload, priority, workload.task_class)
         consumer.released()
         interval = POLL_WITH_RECORDS if consumer.records is not None else POLL_NO_RECORDS
         seen = self.wait_archived(consumer, batch, interval)
@@ -253,6 +266,9 @@ class Runner:
             machine_busy=busy,
             others_busy=max(0.0, busy - known / capacity) if capacity else 0.0,
             problems=problems,
+            machine_cpu=machine_after.busy_seconds_since(machine_before),
+            bench_cpu=bench_cpu,
+            mean_duration=phorgedb.mean_duration(self.conn, batch),
         )
 
 
