@@ -33,10 +33,12 @@ SHORT_EVIDENCE = 64
 # Messages an unpaced queue's leases are spread over at least: as many processes or
 # threads as this can start at once.
 SPREAD = 32
-# A paced queue's: two a busy slot, and at least this many, so idle slots start too
-# (the next poll measures them busy and spreads wider). Few, larger messages: each one
-# costs the worker about as much CPU as a short task.
+# A paced queue's: four a busy slot (one running, one reserved, and as many again for
+# idle slots, which the next poll measures busy: two a slot stalled 16 processes of
+# 10 ms tasks at about half of them), and at least this many. Few, larger messages:
+# each one costs the worker about as much CPU as a short task.
 PACED_SPREAD = 8
+SPREAD_PER_BUSY_SLOT = 4
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,11 @@ class Pace:
         return max(FLOOR, fed, short)
 
     def message_size(self, in_flight: int, ahead: float, batch_max: int) -> int:
-        """Tasks one message carries: the leases spread over two messages a busy slot
-        (one running, one reserved), at least :data:`PACED_SPREAD`, and at most ``ahead``
-        seconds of work, since a worker holding a message starts nothing else until it
-        is through."""
-        spread = in_flight // max(PACED_SPREAD, 2 * math.ceil(self.busy))
+        """Tasks one message carries: the leases spread over
+        :data:`SPREAD_PER_BUSY_SLOT` messages a busy slot, at least :data:`PACED_SPREAD`,
+        and at most ``ahead`` seconds of work, since a worker holding a message starts
+        nothing else until it is through."""
+        spread = in_flight // max(PACED_SPREAD, SPREAD_PER_BUSY_SLOT * math.ceil(self.busy))
         return max(1, min(batch_max, spread, int(ahead / max(self.mean, MIN_COST))))
 
 

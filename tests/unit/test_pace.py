@@ -22,8 +22,8 @@ def pace(count: int, seconds_each: float, span: int) -> Pace:
         # 50 ms tasks on two busy slots, 40 a second: the slots and a quarter second's
         # starts, a message each (spread over as many processes as may be idle).
         (pace(400, 0.05, 10), 12, 1),
-        # 4 ms tasks on one busy slot: a quarter second's starts in 8 messages, not one
-        # message for every two tasks (each message costs the worker a task's CPU).
+        # 4 ms tasks on one busy slot: a quarter second's starts in 8 messages, not 32 of
+        # two tasks each (each message costs the worker about a task's CPU).
         (pace(2500, 0.004, 10), 63, 7),
         # 1 s tasks on two slots: one waiting task at most, a message each.
         (pace(20, 1.0, 10), 3, 1),
@@ -46,11 +46,12 @@ def test_a_few_short_runs_do_not_send_a_backlog_at_once():
 
 
 def test_a_message_carries_at_most_ahead_seconds_of_work():
-    # 10 ms tasks on 16 busy slots: 32 messages (two a slot) would carry 14 each, 0.14 s
-    # of work.
+    # 10 ms tasks on 16 busy slots: 64 messages (four a slot) carry 7 each, 0.07 s of
+    # work; 16 slots of 1 s tasks, one each, however many are leased.
     runs = pace(1600, 0.01, 1)
-    assert runs.message_size(450, AHEAD, batch_max=16) == 14
-    assert runs.message_size(450, 0.1, batch_max=16) == 10
+    assert runs.message_size(450, AHEAD, batch_max=16) == 7
+    assert runs.message_size(450, 0.05, batch_max=16) == 5
+    assert pace(160, 1.0, 10).message_size(450, AHEAD, batch_max=16) == 1
 
 
 def test_busy_slots_follow_littles_law():
