@@ -22,10 +22,13 @@ import pytest
 from bridge_harness import wait_until
 from php_standin import STANDIN_ROOT, context, php_binary, runner_handler, runner_settings
 
+from bridge.config import load_settings
+from bridge.engine.batch import Batch
+from bridge.engine.context import build_runtime
 from bridge.handlers.outcome import run_handler
 from bridge.phorge.runner_pool import PoolListener, Restart, RunnerPool
 from bridge.phorge.runner_process import RunnerBootError, RunnerProcess
-from bridge.queue.model import DEFAULT_RETRY_WAIT, Outcome
+from bridge.queue.model import DEFAULT_RETRY_WAIT, Leased, Outcome
 
 
 def ran_by(result) -> int:
@@ -392,3 +395,43 @@ def test_a_long_or_invalid_reason_is_cut_on_a_character_and_made_utf8() -> None:
         assert failed.outcome is Outcome.FAILURE
         assert failed.reason.startswith("Exception: \ufffdé")
         assert len(failed.reason.encode()) <= 4096 and failed.reason.endswith("é")
+
+
+# -- a message's tasks: run in turn, outcomes written together, a death its task's alone -----
+
+
+def test_a_message_with_dying_tasks_fails_them_alone_and_writes_every_outcome(
+    tmp_path: Path,
+) -> None:
+    rt = build_runtime(
+        load_settings(
+            {
+                "BRIDGE_DATABASE_URL": f"sqlite:///{tmp_path}/q.db",
+                "BRIDGE_PHORGE_ROOT": str(STANDIN_ROOT),
+                "BRIDGE_RUNNER_PHP": php_binary(),
+            }
+        )
+    )
+    runner = rt.registry.runner
+    assert runner is not None and runner.batch_limit > 1
+    try:
+        ok = "StandinSucceedWorker"
+        classes = [ok, "StandinFatalWorker", ok, "StandinExitWorker", "StandinSegfaultWorker", ok]
+        ids = [rt.queue.enqueue(c, {}) for c in classes]
+        leased = {t.id: t for t in rt.queue.lease(len(ids), 600, ids=ids)}
+        (owner,) = {t.lease_owner for t in leased.values()}
+        batch = Batch(rt, owner or "", None)
+        batch.run([Leased(i, 0, c) for i, c in zip(ids, classes, strict=True)])
+        ended = [ran.outcome for _, ran, _ in batch.ran]
+        assert ended == [Outcome.SUCCESS, Outcome.FAILURE, Outcome.SUCCESS,
+                         Outcome.FAILURE, Outcome.FAILURE, Outcome.SUCCESS]  # fmt: skip
+        rows = {i: rt.queue.get(i) for i in ids}
+        for task_id, task_class in zip(ids, classes, strict=True):
+            row = rows[task_id]
+            if task_class == ok:
+                assert row.archived and row.result == 0
+            else:
+                assert not row.archived and row.failure_count == 1, task_class
+        assert "killed by SIGSEGV" in batch.ran[4][1].reason
+    finally:
+        runner.pool.close()
