@@ -134,8 +134,9 @@ class Handler(ABC):
     # The transport's circuit breaker, for handlers that run the work elsewhere (the
     # Conduit proxy): while it is open, the handler is not available.
     breaker: CircuitBreaker | None = None
-    # How many leased tasks of a message ``run_batch`` may take at once: more than one
-    # for handlers whose every call pays a fixed price elsewhere (a Conduit request).
+    # How many leased tasks of a message ``run_batch`` may take at once, their outcomes
+    # then written in one transaction: more than one for handlers whose tasks are cheap
+    # next to a fixed price (a Conduit request, a durable commit).
     batch_limit: int = 1
 
     def available(self) -> bool:

@@ -45,7 +45,7 @@ class PhpRunnerHandler(Handler):
 
     phorge_defaults = True
     breaker: CircuitBreaker  # always one: the runner can fail to boot
-    batch_limit = 16
+    batch_limit = 16  # a message's tasks run in turn, their outcomes one commit
 
     def __init__(self, pool: RunnerPool, classes: tuple[str, ...], default_lease: int) -> None:
         self.pool = pool
