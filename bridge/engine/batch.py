@@ -18,6 +18,7 @@ from bridge.engine.context import Runtime
 from bridge.engine.metrics import UNWRITTEN, outcome_counter
 from bridge.engine.run import Done, Ran, Ready, execute, observers, prepare, retry_wait
 from bridge.engine.tracing import TaskTrace, traced
+from bridge.handlers.api import Handler
 from bridge.queue import Lease, Outcome, Task
 from bridge.queue.model import Leased
 from bridge.queue.retry import DatabaseUnavailable, WritesRefused
@@ -180,12 +181,19 @@ class Batch:
                     cleared.append((item, ready))
                 else:
                     self.ended(item, ready)
-        if cleared:
-            with traced(self.trace(cleared[0][0])):
-                runs = execute(self.rt, [ready for _, ready in cleared])
-            for (item, _), ended in zip(cleared, runs, strict=True):
+        if not cleared:
+            return
+        if type(cleared[0][1].handler).run_batch is Handler.run_batch:
+            # No call of its own for several: each runs alone, its log lines its own.
+            for item, ready in cleared:
                 with traced(self.trace(item)):
-                    self.ended(item, ended)
+                    self.ended(item, execute(self.rt, [ready])[0])
+            return
+        with traced(self.trace(cleared[0][0])):
+            runs = execute(self.rt, [ready for _, ready in cleared])
+        for (item, _), ended in zip(cleared, runs, strict=True):
+            with traced(self.trace(item)):
+                self.ended(item, ended)
 
     def ended(self, item: Leased, ended: Ran | Done) -> None:
         """Record a final run; stage an outcome to write (a success with follow-ups is
