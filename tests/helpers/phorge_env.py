@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,11 +24,14 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import urlsplit
 
+import phorge_checkout
 import pytest
 import sqlalchemy as sa
 from phorge_checkout import NotACheckout, check_checkout
 
 PHORGE_ROOT = os.environ.get("PHORGE_ROOT")
+# Making accounts through Phorge's classes: shared with the bench (scripts/).
+ACCOUNTS_PHP = Path(phorge_checkout.__file__).with_name("phorge_accounts.php")
 
 # What a web server's rewrite rule does for Phorge, for ``php -S``.
 ROUTER = r"""<?php
@@ -93,9 +97,11 @@ class Phorge:
 
     @classmethod
     def with_helper(cls, root: Path, work: Path, source: str) -> Self:
-        """An instance whose helper script (PHP ``source``) is written into ``work``."""
+        """An instance whose helper script (PHP ``source``) is written into ``work``, with
+        ``scripts/phorge_accounts.php`` beside it as ``helper.php.accounts.php``."""
         helper = work / "helper.php"
         helper.write_text(source)
+        shutil.copyfile(ACCOUNTS_PHP, f"{helper}.accounts.php")
         return cls(root, helper)
 
     def helper_command(self, *args: str) -> list[str]:

@@ -37,6 +37,7 @@ HELPER = r"""<?php
 $root = $argv[1];
 $command = $argv[2];
 require_once $root.'/scripts/init/init-script.php';
+require_once $argv[0].'.accounts.php';
 $viewer = PhabricatorUser::getOmnipotentUser();
 
 function bridge_test_rows($min_id) {
@@ -56,38 +57,9 @@ function bridge_test_rows($min_id) {
 switch ($command) {
   case 'users':
     $tokens = array();
-    foreach (array('bridgetestadmin' => 1, 'bridgetestuser' => 0) as $name => $admin) {
-      $user = id(new PhabricatorPeopleQuery())
-        ->setViewer($viewer)
-        ->withUsernames(array($name))
-        ->executeOne();
-      if (!$user) {
-        $user = id(new PhabricatorUser())
-          ->setUsername($name)
-          ->setRealName($name)
-          ->setIsApproved(1)
-          ->setIsAdmin($admin);
-        $email = id(new PhabricatorUserEmail())
-          ->setAddress($name.'@example.com')
-          ->setIsVerified(1);
-        id(new PhabricatorUserEditor())
-          ->setActor($viewer)
-          ->createNewUser($user, $email);
-      }
-      $token = id(new PhabricatorConduitTokenQuery())
-        ->setViewer($viewer)
-        ->withObjectPHIDs(array($user->getPHID()))
-        ->withTokenTypes(array(PhabricatorConduitToken::TYPE_STANDARD))
-        ->withExpired(false)
-        ->setLimit(1)
-        ->executeOne();
-      if (!$token) {
-        $token = PhabricatorConduitToken::initializeNewToken(
-          $user->getPHID(),
-          PhabricatorConduitToken::TYPE_STANDARD);
-        $token->save();
-      }
-      $tokens[$name] = $token->getToken();
+    foreach (array('bridgetestadmin' => true, 'bridgetestuser' => false) as $name => $admin) {
+      $user = phorge_bridge_account($viewer, $name, $admin);
+      $tokens[$name] = phorge_bridge_api_token($viewer, $user);
     }
     echo json_encode($tokens);
     break;

@@ -36,6 +36,7 @@ $root = $argv[1];
 $command = $argv[2];
 $args = json_decode(isset($argv[3]) ? $argv[3] : '{}', true);
 require_once $root.'/scripts/init/init-script.php';
+require_once $argv[0].'.accounts.php';
 $viewer = PhabricatorUser::getOmnipotentUser();
 
 switch ($command) {
@@ -52,15 +53,7 @@ switch ($command) {
   case 'edit':
     $users = array();
     foreach (array('bridgerunnertest', 'bridgerunnercc') as $name) {
-      $user = id(new PhabricatorPeopleQuery())->setViewer($viewer)
-        ->withUsernames(array($name))->executeOne();
-      if (!$user) {
-        $user = id(new PhabricatorUser())->setUsername($name)->setRealName($name)
-          ->setIsApproved(1);
-        $email = id(new PhabricatorUserEmail())->setAddress($name.'@example.com')
-          ->setIsVerified(1);
-        id(new PhabricatorUserEditor())->setActor($viewer)->createNewUser($user, $email);
-      }
+      $user = phorge_bridge_account($viewer, $name);
       $users[] = id(new PhabricatorPeopleQuery())->setViewer($viewer)
         ->withPHIDs(array($user->getPHID()))->needUserSettings(true)->executeOne();
     }

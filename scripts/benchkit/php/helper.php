@@ -12,61 +12,22 @@
  */
 $root = $argv[1];
 require_once $root.'/scripts/init/init-script.php';
+require_once dirname(dirname(dirname(__FILE__))).'/phorge_accounts.php';
 
 const BENCH_NOOP_CLASS = 'PhorgeBridgeBenchNoopWorker';
-
-function bench_user($viewer, $name, $admin, $bot) {
-  $user = id(new PhabricatorPeopleQuery())
-    ->setViewer($viewer)
-    ->withUsernames(array($name))
-    ->executeOne();
-  if ($user) {
-    return $user;
-  }
-  $user = id(new PhabricatorUser())
-    ->setUsername($name)
-    ->setRealName('Bench '.$name)
-    ->setIsApproved(1)
-    ->setIsAdmin($admin ? 1 : 0)
-    ->setIsSystemAgent($bot ? 1 : 0);
-  $email = id(new PhabricatorUserEmail())
-    ->setAddress($name.'@example.com')
-    ->setIsVerified(1);
-  id(new PhabricatorUserEditor())
-    ->setActor($viewer)
-    ->createNewUser($user, $email);
-  return $user;
-}
-
-function bench_token($viewer, PhabricatorUser $user) {
-  $token = id(new PhabricatorConduitTokenQuery())
-    ->setViewer($viewer)
-    ->withObjectPHIDs(array($user->getPHID()))
-    ->withTokenTypes(array(PhabricatorConduitToken::TYPE_STANDARD))
-    ->withExpired(false)
-    ->setLimit(1)
-    ->executeOne();
-  if (!$token) {
-    $token = PhabricatorConduitToken::initializeNewToken(
-      $user->getPHID(),
-      PhabricatorConduitToken::TYPE_STANDARD);
-    $token->save();
-  }
-  return $token->getToken();
-}
 
 $viewer = PhabricatorUser::getOmnipotentUser();
 switch ($argv[2]) {
   case 'setup':
     $count = max(1, (int)$argv[3]);
-    $bot = bench_user($viewer, 'bridgebenchbot', true, true);
+    $bot = phorge_bridge_account($viewer, 'bridgebenchbot', true, true);
     $documents = array($bot->getPHID());
     for ($n = 1; $n < $count; $n++) {
-      $user = bench_user($viewer, sprintf('bridgebench%02d', $n), false, false);
+      $user = phorge_bridge_account($viewer, sprintf('bridgebench%02d', $n));
       $documents[] = $user->getPHID();
     }
     echo json_encode(array(
-      'token' => bench_token($viewer, $bot),
+      'token' => phorge_bridge_api_token($viewer, $bot),
       'botPHID' => $bot->getPHID(),
       'admin' => (bool)$bot->getIsAdmin(),
       'documents' => $documents,
