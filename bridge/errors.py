@@ -25,7 +25,8 @@ class DuplicateHandlerError(BridgeError):
 
 
 class TaskNotDone(BridgeError):
-    """A run that did not end in success, raised so Celery and Flower record a FAILURE.
+    """A run that did not end in success, raised so Celery and Flower record a FAILURE
+    (a temporary failure: a RETRY, whose ``celery.exceptions.Retry`` carries it).
 
     Expected (the Celery task's ``throws``): logged in one line without a traceback, and
     the message is acked; the bridge, from the database, decides whether the task runs
@@ -34,7 +35,8 @@ class TaskNotDone(BridgeError):
 
 
 class TaskFailed(TaskNotDone):
-    """A temporary failure: the bridge runs the task again after its wait."""
+    """A temporary failure: the bridge runs the task again after its wait (Celery's
+    state is RETRY, the ``Retry`` carrying this error)."""
 
 
 class TaskFailedPermanently(TaskNotDone):
@@ -54,4 +56,5 @@ class OutcomeUnreported(TaskNotDone):
 
 
 class BatchNotDone(TaskNotDone):
-    """A batch in which some task did not succeed (or yield): each one's line follows."""
+    """A batch in which some task did not succeed (or yield): each one's line follows.
+    A RETRY's when each of them failed temporarily."""

@@ -16,10 +16,12 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any, Literal, cast
 
-from sqlalchemy import inspect
+from sqlalchemy import Engine, inspect
 
+from bridge.cli.service_errors import driver_error, first_line
 from bridge.config import ConfigError, Settings, load_settings
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
+from bridge.handlers.registry import Registry, build_registry
 from bridge.phorge import extension as phorge_extension
 from bridge.phorge.conduit import (
     ConduitAuthError,
@@ -206,13 +208,36 @@ def check_task_id_counter(doctor: Doctor) -> Check:
     return Check(name, "ok", f"worker_activetask at {value}")
 
 
+def coverage(registry: Registry, settings: Settings) -> str:
+    """Who serves what, whatever the queue holds: an empty queue names no class, and an
+    operator checking a new setup wants to see the runner and the proxy counted."""
+    native = sorted(c for c in registry.native if registry.allowed(c))
+    parts = [f"native handlers serve {', '.join(native)}" if native else "no native handler"]
+    others = "every other class" if native else "every class"
+    runner = settings.runner
+    takes_all = runner is not None and "*" in runner.classes
+    if runner is not None and runner.classes:
+        globs = ",".join(runner.classes)
+        which = others if takes_all else f"the classes matching {globs}"
+        parts.append(f"the PHP runner serves {which} (BRIDGE_RUNNER_CLASSES={globs})")
+    if settings.conduit is not None and not takes_all:
+        parts.append(f"the Conduit proxy serves {others} (BRIDGE_CONDUIT_URL)")
+    elif not takes_all:
+        parts.append(f"{others} is left to PHP")
+    if registry.include != ("*",) or registry.exclude:
+        parts.append("BRIDGE_HANDLERS_INCLUDE and BRIDGE_HANDLERS_EXCLUDE narrow them all")
+    return "; ".join(parts)
+
+
 def check_served_classes(doctor: Doctor) -> Check:
     doctor.require("database")
-    from bridge.handlers.registry import build_registry
-
     assert doctor.settings is not None
     classes = doctor.queue.task_classes()
-    served = build_registry(doctor.settings).runnable(classes)
+    registry = build_registry(doctor.settings)
+    if not classes:
+        serves = coverage(registry, doctor.settings)
+        return Check("served classes", "ok", f"none in the queue; {serves}")
+    served = registry.runnable(classes)
     detail = f"{len(classes)} in the queue; served by the bridge: {', '.join(served) or 'none'}"
     left = sorted(set(classes) - set(served))
     if left:
@@ -220,13 +245,12 @@ def check_served_classes(doctor: Doctor) -> Check:
     return Check("served classes", "ok", detail)
 
 
-def check_beat(doctor: Doctor) -> Check:
-    """Some beat holds the beat lock: without one no poll is sent and nothing is leased."""
-    doctor.require("database")
-    assert doctor.settings is not None
-    if not is_mysql(doctor.queue.engine):
+def beat_state(engine: Engine, owner_prefix: str) -> Check:
+    """Some beat holds the beat lock: without one no poll is sent and nothing is leased
+    (doctor's check, and a line of ``stats``)."""
+    if not is_mysql(engine):
         return Check("beat", "ok", "not checked: SQLite runs one beat, in this process's host")
-    holder = beat_lock_holder(doctor.queue.engine, doctor.settings.owner_prefix)
+    holder = beat_lock_holder(engine, owner_prefix)
     if holder is None:
         return Check(
             "beat",
@@ -235,6 +259,12 @@ def check_beat(doctor: Doctor) -> Check:
             "(or a worker with -B); a second one on another host stands by",
         )
     return Check("beat", "ok", f"a beat sends the polls (database connection {holder})")
+
+
+def check_beat(doctor: Doctor) -> Check:
+    doctor.require("database")
+    assert doctor.settings is not None
+    return beat_state(doctor.queue.engine, doctor.settings.owner_prefix)
 
 
 def check_broker(doctor: Doctor) -> Check:
@@ -256,12 +286,11 @@ def check_queue_consumers(doctor: Doctor) -> Check:
     doctor.require("broker")
     doctor.require("database")
     from bridge.celery import app
-    from bridge.handlers.registry import build_registry
     from bridge.runtime.consumers import describe, survey
 
     assert doctor.settings is not None
     statuses = survey(app, doctor.queue.stats(), build_registry(doctor.settings), doctor.settings)
-    detail = "; ".join(describe(s) for s in statuses)
+    detail = "; ".join(describe(s, doctor.settings.control_queue) for s in statuses)
     return Check("queue consumers", "fail" if any(s.stranded for s in statuses) else "ok", detail)
 
 
@@ -412,6 +441,24 @@ def _daemon_database(queue: PhorgeQueue) -> str | None:
     return f"{url.database.rsplit('_', 1)[0]}_daemon"
 
 
+# MySQL's refusals a GRANT cures: no access to the database (1044), to the table (1142).
+ACCESS_DENIED = (1044, 1142)
+
+
+def unreadable(engine: Engine, database: str, exc: Exception) -> str:
+    """Why the daemon log could not be read, in one line: for a refusal, the grant to add
+    (the one docs/operations.md recommends), to the account the server matched."""
+    cause = driver_error(exc)
+    if not cause.args or cause.args[0] not in ACCESS_DENIED:
+        return f"Phorge's daemon log is not readable: {first_line(cause)}"
+    with engine.connect() as conn:
+        user, _, host = conn.execute(sql.current_account()).scalar_one().rpartition("@")
+    return (
+        "this account may not read Phorge's daemon log: "
+        f"GRANT SELECT ON {database}.daemon_log TO '{user}'@'{host}'"
+    )
+
+
 def check_taskmasters(doctor: Doctor) -> Check:
     """PHP taskmasters with a live heartbeat, as Phorge's daemon console counts them."""
     doctor.require("database")
@@ -424,7 +471,7 @@ def check_taskmasters(doctor: Doctor) -> Check:
         with doctor.queue.engine.connect() as conn:
             live, unknown, dead = (int(n) for n in conn.execute(query).one())
     except Exception as exc:
-        return Check(name, "warn", f"unknown: Phorge's daemon log is not readable: {exc}")
+        return Check(name, "warn", f"unknown: {unreadable(doctor.queue.engine, database, exc)}")
     ignored = (
         f"; not counted, as Phorge's daemon console calls them: {unknown} unknown "
         f"(heartbeat over {UNKNOWN_AFTER} s old), {dead} dead (over {DEAD_AFTER} s)"

@@ -328,8 +328,9 @@ def show(task_id: int, logs: tuple[Path, ...], as_json: bool) -> None:
 )
 @click.option("--count", type=click.IntRange(min=1), help="Stop --watch after this many refreshes.")
 def stats(as_json: bool, window: int, watching: bool, interval: float, count: int | None) -> None:
-    """Queue depth per class and state, as the database sees it, and each Celery queue's
-    due rows and live consumers (Celery's control API).
+    """Queue depth per class and state, as the database sees it, whether a beat sends
+    the polls (doctor's beat check), and each Celery queue's due rows and live consumers
+    (Celery's control API).
 
     Exits 1, after printing what the database says, when the broker is unreachable.
     """
@@ -343,7 +344,9 @@ def stats(as_json: bool, window: int, watching: bool, interval: float, count: in
     from bridge.celery import app
     from bridge.runtime.consumers import describe, survey
 
-    result = open_queue().stats(window)
+    queue = open_queue()
+    result = queue.stats(window)
+    beat = checks.beat_state(queue.engine, settings.owner_prefix)
     try:
         queues = survey(app, result, build_registry(settings), settings)
     except OperationalError as exc:
@@ -351,20 +354,23 @@ def stats(as_json: bool, window: int, watching: bool, interval: float, count: in
     else:
         unreachable = ""
     if as_json:
-        click.echo(json.dumps({**asdict(result), "queues": [asdict(q) for q in queues]}))
+        beat_json = {"status": beat.status, "detail": beat.detail}
+        queues_json = [asdict(q) for q in queues]
+        click.echo(json.dumps({**asdict(result), "beat": beat_json, "queues": queues_json}))
     else:
-        print_stats(result, [f"queue {describe(status)}" for status in queues])
+        lines = [f"queue {describe(status, settings.control_queue)}" for status in queues]
+        print_stats(result, [f"beat: {beat.detail}", *lines])
     if unreachable:
         raise click.ClickException(unreachable)
 
 
-def print_stats(result: QueueStats, queue_lines: list[str]) -> None:
+def print_stats(result: QueueStats, lines: list[str]) -> None:
     for task_class, states in sorted(result.by_class.items()):
         counts = ", ".join(f"{state} {count}" for state, count in sorted(states.items()))
         click.echo(f"{task_class}: {counts}")
     if result.oldest_queued_age is not None:
         click.echo(f"oldest queued task: {result.oldest_queued_age} s")
-    for line in queue_lines:
+    for line in lines:
         click.echo(line)
 
 

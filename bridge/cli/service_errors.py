@@ -26,7 +26,7 @@ DATABASE_ERRORS = (SQLAlchemyError, DatabaseUnavailable)
 MISSING_TABLE_WORDS = ("no such table", "doesn't exist")  # SQLite's, MySQL's (1146)
 
 
-def _driver_error(exc: BaseException) -> BaseException:
+def driver_error(exc: BaseException) -> BaseException:
     """The driver's own error under the bridge's retry wrapper and SQLAlchemy's."""
     while isinstance(exc, DatabaseUnavailable) and exc.__cause__ is not None:
         exc = exc.__cause__
@@ -35,7 +35,7 @@ def _driver_error(exc: BaseException) -> BaseException:
     return exc
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """SQLAlchemy appends the statement and a link on later lines: the first one says it."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
@@ -49,9 +49,9 @@ def _in_force(url: Callable[[Settings], str]) -> str:
 
 
 def database_problem(exc: BaseException) -> str:
-    cause = _driver_error(exc)
+    cause = driver_error(exc)
     url = _in_force(lambda settings: make_url(settings.database_url).render_as_string())
-    line = f"database error: {_first_line(cause)}; check BRIDGE_DATABASE_URL{url}"
+    line = f"database error: {first_line(cause)}; check BRIDGE_DATABASE_URL{url}"
     if any(words in str(cause) for words in MISSING_TABLE_WORDS):
         line += (
             ": it must name Phorge's {namespace}_worker database "
@@ -62,7 +62,7 @@ def database_problem(exc: BaseException) -> str:
 
 def broker_problem(exc: BaseException) -> str:
     url = _in_force(lambda settings: maybe_sanitize_url(settings.broker_url))
-    return f"broker error: {_first_line(exc)}; check BRIDGE_BROKER_URL{url}"
+    return f"broker error: {first_line(exc)}; check BRIDGE_BROKER_URL{url}"
 
 
 @contextlib.contextmanager

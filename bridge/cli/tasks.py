@@ -110,6 +110,14 @@ def stamp(epoch: int | None, now: int) -> str:
     return f"{utc} ({relative})"
 
 
+def lease_text(task: Task, now: int) -> str:
+    """When the lease runs out; an archived row keeps its last lease's columns, but that
+    lease ended with its run: no worker holds it."""
+    if task.archived:
+        return "none (archived: the last run's lease ended with it)"
+    return stamp(task.lease_expires, now)
+
+
 def task_json(task: Task, outcomes: LastOutcomes) -> dict[str, Any]:
     """The row as ``list --json`` prints it: every column, and the CLI's reading of it."""
     row = asdict(task)
@@ -186,7 +194,7 @@ def story_lines(task: Task, told: dict[str, Any], logs_read: bool) -> list[str]:
         ("failures", str(task.failure_count)),
         ("last failure", stamp(task.failure_time, now)),
         ("lease owner", task.lease_owner or "-"),
-        ("lease expires", stamp(task.lease_expires, now)),
+        ("lease expires", lease_text(task, now)),
         ("created", stamp(task.date_created, now)),
         ("modified", stamp(task.date_modified, now)),
         ("archived", stamp(task.archived_epoch, now)),

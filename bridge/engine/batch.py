@@ -24,6 +24,7 @@ from bridge.queue.model import Leased
 from bridge.queue.retry import DatabaseUnavailable, WritesRefused
 from bridge.queue.session import (
     Write,
+    handed_back,
     permanent_failure,
     success,
     temporary_failure,
@@ -55,6 +56,8 @@ class Finished:
             case Outcome.YIELD:
                 wait = result.delay or 0
                 write = yielded(lease, wait)
+            case Outcome.HANDED_BACK:
+                write = handed_back(lease)
             case _:
                 assert done.ctx is not None
                 wait = retry_wait(rt, done.ctx, result.delay)
@@ -84,7 +87,7 @@ class Finished:
             return Ran(Outcome.LEASE_LOST, f"{result.outcome} not written: the lease was lost")
         if result.outcome is Outcome.PERMANENT_FAILURE:
             log.warning("task %d failed permanently: %s", task_id, result.reason)
-        return Ran(result.outcome, result.reason, self.wait)
+        return Ran(result.outcome, result.reason, self.wait, result.error)
 
 
 class Batch:
@@ -127,10 +130,13 @@ class Batch:
             except WritesRefused as exc:
                 gate.refused(exc)
                 if index:
+                    self.flush()  # outcomes that waited for this task's are held
                     return list(items[index:])
                 self.unreported(items, f"not started: {exc}; the lease will expire")
                 return []
             except DatabaseUnavailable as exc:
+                pending, self.pending = self.pending, []
+                self.settle(pending, [exc] * len(pending))
                 self.unreported(
                     items[index:], f"database unavailable ({exc}); the lease will expire"
                 )
@@ -139,14 +145,16 @@ class Batch:
         self.flush()
         return []
 
+    def handler_of(self, item: Leased) -> Handler | None:
+        return self.rt.registry.handler_for(item.task_class) if item.task_class else None
+
     def group(self, items: Sequence[Leased], index: int) -> Sequence[Leased]:
         """The tasks from ``index`` on that run in one handler call: the consecutive ones
-        its handler serves, up to its ``batch_limit`` (one task for most handlers)."""
+        a handler with a call for several serves, up to its ``batch_limit``; else one."""
         registry = self.rt.registry
-        first = items[index].task_class
-        handler = registry.handler_for(first) if first else None
+        handler = self.handler_of(items[index])
         end = index + 1
-        if handler is not None and handler.batch_limit > 1:
+        if handler is not None and runs_together(handler):
             limit = min(len(items), index + handler.batch_limit)
             while (
                 end < limit
@@ -183,12 +191,6 @@ class Batch:
                     self.ended(item, ready)
         if not cleared:
             return
-        if type(cleared[0][1].handler).run_batch is Handler.run_batch:
-            # No call of its own for several: each runs alone, its log lines its own.
-            for item, ready in cleared:
-                with traced(self.trace(item)):
-                    self.ended(item, execute(self.rt, [ready])[0])
-            return
         with traced(self.trace(cleared[0][0])):
             runs = execute(self.rt, [ready for _, ready in cleared])
         for (item, _), ended in zip(cleared, runs, strict=True):
@@ -217,10 +219,24 @@ class Batch:
             written = exc
         self.settle([finished], [written])
 
+    def defers(self, item: Leased) -> bool:
+        """Whether the pending outcomes wait for ``item``'s: they and it are of one
+        handler that runs its tasks one by one and whose outcomes share a commit (the PHP
+        runner), fewer than its ``batch_limit`` so far. Each such task is still checked
+        just before it runs, its lease counted from there."""
+        handler = self.handler_of(item)
+        return (
+            handler is not None
+            and not runs_together(handler)
+            and len(self.pending) < handler.batch_limit
+            and all(self.handler_of(f.item) is handler for f in self.pending)
+        )
+
     def check(self, item: Leased, lease: Lease) -> Task | None:
-        """The check of ``lease``, sharing its round trip with the pending outcomes."""
+        """The check of ``lease``, sharing its round trip with the pending outcomes
+        (unless they wait for this task's, :meth:`defers`)."""
         session = self.rt.queue.session
-        if not self.pending:
+        if not self.pending or self.defers(item):
             return session.held(lease, item.data)
         pending, self.pending = self.pending, []
         try:
@@ -294,6 +310,12 @@ class Batch:
         except Exception as exc:
             written = [exc] * len(pending)
         self.settle(pending, written)
+
+
+def runs_together(handler: Handler) -> bool:
+    """Whether ``handler`` has a call of its own for several tasks (the Conduit proxy's one
+    request), so a message's consecutive tasks of it are checked first, then run at once."""
+    return handler.batch_limit > 1 and type(handler).run_batch is not Handler.run_batch
 
 
 def run_task(

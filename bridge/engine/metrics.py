@@ -13,7 +13,7 @@ import errno
 import glob
 import os
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -210,23 +210,24 @@ def count_across_processes() -> str:
     """
     directory = os.environ.get(MULTIPROC_DIR) or private_directory("phorge-bridge-metrics-")
     os.makedirs(directory, exist_ok=True)
-    os.environ[MULTIPROC_DIR] = directory
     if not getattr(values.ValueClass, "_multiprocess", False):
-        values.ValueClass = values.MultiProcessValue()
-        _make_values_again()
+        _make_values_again(directory)
     return directory
 
 
-def _make_values_again() -> None:
-    """Labelled metrics drop their children (made again on use), the others remake
-    their value as their constructor does (``_metric_init``: prometheus_client has no
-    public way), so every value counts in a file."""
-    for metric in globals().values():
-        if not isinstance(metric, MetricWrapperBase):
-            continue
-        if metric._labelnames:
-            metric.clear()
-        else:
+def _make_values_again(directory: str) -> None:
+    """Labelled metrics drop their children (made again on use) while the process is
+    still in single-process mode: once ``directory`` is named, ``clear()`` warns that it
+    leaves their files, which these children never had. Then the others remake their
+    value as their constructor does (``_metric_init``: prometheus_client has no public
+    way), so every value counts in a file."""
+    metrics = [metric for metric in globals().values() if isinstance(metric, MetricWrapperBase)]
+    for metric in metrics:
+        metric.clear()  # a metric without labels has no children: nothing to do
+    os.environ[MULTIPROC_DIR] = directory
+    values.ValueClass = values.MultiProcessValue()
+    for metric in metrics:
+        if not metric._labelnames:
             metric._metric_init()
     outcome_counter.cache_clear()
     run_timers.cache_clear()
@@ -334,10 +335,19 @@ class QueueCollector:
     )
 
     def __init__(
-        self, queue: PhorgeQueue, registry: Registry, router: Router, owner_prefix: str = "bridge"
+        self,
+        queue: PhorgeQueue,
+        registry: Registry,
+        router: Router,
+        owner_prefix: str = "bridge",
+        *,
+        fleet: Callable[[str], bool] | None = None,
     ) -> None:
+        """``fleet`` says whether another worker serves a class (a control worker without
+        PHP counts the PHP workers' rows, even while none of them runs)."""
         self.queue, self.registry, self.router = queue, registry, router
         self.owner_prefix = owner_prefix
+        self.fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         stats = self.queue.stats()
@@ -351,7 +361,10 @@ class QueueCollector:
                 tasks.add_metric([task_class, state], count)
         yield tasks
         rows = age_rows(self.queue, stats.server_time)
-        served = set(self.registry.runnable({row[0] for row in rows}))
+        classes = {row[0] for row in rows}
+        served = set(self.registry.runnable(classes))
+        if self.fleet is not None:
+            served.update(c for c in classes if self.fleet(c))
         figures = figures_by_queue(rows, stats.server_time, served, self.router)
         for name, field, help_text in self.FIGURES:
             family = GaugeMetricFamily(name, help_text, labels=["queue"])

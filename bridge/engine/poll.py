@@ -18,11 +18,12 @@ until writes are accepted again, so the gate of an idle worker reopens too.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from bridge.engine.context import Runtime
 from bridge.engine.pace import SPREAD, WINDOW, Pace, in_flight_target
+from bridge.engine.standby import standby_seconds
 from bridge.handlers.api import Handler
 from bridge.queue.model import Held, Leased
 from bridge.queue.retry import WritesRefused
@@ -56,26 +57,52 @@ def batch_size(in_flight: int, batch_max: int) -> int:
     return max(1, min(batch_max, in_flight // SPREAD))
 
 
-def plan(rt: Runtime) -> dict[str, list[str]]:
-    """Runnable task classes present in the queue, grouped by the Celery queue serving them.
+# Whether another live worker consumes a Celery queue and would run a task class there:
+# the fleet's view (``bridge.runtime.announce``), for ``(task_class, queue)``.
+RunsElsewhere = Callable[[str, str], bool]
 
-    A class is left out while its handler is not :meth:`~Handler.available` (the Conduit
-    proxy while its circuit breaker is open), asked once per handler and poll.
+
+def plan(rt: Runtime, elsewhere: RunsElsewhere | None = None) -> dict[str, list[str]]:
+    """Task classes present in the queue that the fleet can run now, grouped by the
+    Celery queue serving them.
+
+    The poll runs in any worker, so what this process can run is not the whole story
+    (``elsewhere``: what the other live workers announced). A class is leased when:
+
+    - its handler here is :meth:`~Handler.available` (asked once per handler and poll);
+    - it has no handler here (a control worker without PHP) and another worker consuming
+      its queue runs it;
+    - its transport is down here (the PHP runner cannot boot, the Conduit breaker is
+      open), this worker can run nothing of its queue (it stands by on it,
+      ``bridge.engine.standby``), and another worker runs it. A worker that still serves
+      some of the queue goes by its own transports, so a fleet whose Conduit is down
+      everywhere does not lease, in the seconds before their announcements say so, what
+      every worker would hand back.
     """
     by_queue: dict[str, list[str]] = defaultdict(list)
     available: dict[int, bool] = {}
-    for task_class in rt.registry.runnable(rt.queue.task_classes()):
+    router = rt.settings.router
+    present = rt.queue.task_classes()
+    for task_class in present:
+        queue = router.queue_for(task_class)
         handler: Handler | None = rt.registry.handler_for(task_class)
-        assert handler is not None
-        key = id(handler)
-        if key not in available:
-            available[key] = handler.available()
-        if available[key]:
-            by_queue[rt.settings.router.queue_for(task_class)].append(task_class)
+        if handler is None:
+            leased = elsewhere is not None and elsewhere(task_class, queue)
+        else:
+            key = id(handler)
+            if key not in available:
+                available[key] = handler.available()
+            leased = available[key] or (
+                elsewhere is not None
+                and standby_seconds(rt, queue, present) is not None
+                and elsewhere(task_class, queue)
+            )
+        if leased:
+            by_queue[queue].append(task_class)
     return by_queue
 
 
-def poll_once(rt: Runtime, send: Send) -> int:
+def poll_once(rt: Runtime, send: Send, elsewhere: RunsElsewhere | None = None) -> int:
     """One poll; returns how many tasks were dispatched (0 when another poll is running)."""
     settings = rt.settings
     with rt.queue.poll_lock(settings.owner_prefix) as now:
@@ -83,7 +110,7 @@ def poll_once(rt: Runtime, send: Send) -> int:
             return 0
         if not rt.writes.is_open and not rt.writes.wait_open(0):
             return 0  # one probe a poll while writes are refused: nothing to lease
-        by_queue = plan(rt)
+        by_queue = plan(rt, elsewhere)
         served = [c for classes in by_queue.values() for c in classes]
         # An idle queue (the usual case between bursts) skips the capacity count.
         held = rt.queue.held_by_class(settings.owner_prefix, served) if served else {}

@@ -26,11 +26,13 @@ from bridge.queue.model import Leased
 @dataclass(frozen=True)
 class Ran:
     """How one execution ended: the outcome written (or why none was), the handler's
-    reason and, for a failure or a yield, the seconds until the task is due again."""
+    reason and, for a failure or a yield, the seconds until the task is due again; for a
+    failure, what the handler raised (``HandlerResult.error``)."""
 
     outcome: Outcome
     reason: str = ""
     wait: int | None = None
+    error: Exception | None = None
 
     def describe(self, label: str) -> str:
         """One line, the same in the worker log, Flower and ``phorge-bridge execute``."""
@@ -136,6 +138,13 @@ def prepare(
         rt.queue.free_own([task.id], lease.owner)
         return Ran(Outcome.NOT_SERVED, "no handler serves this class here; lease handed back")
     remaining = (task.lease_expires or 0) - (task.server_time or 0)
+    breaker = handler.breaker
+    if breaker is not None and not breaker.allow():
+        # Its transport is down in this worker (PHP cannot boot, Conduit is unreachable):
+        # the row goes back at once, for a worker that can run it, not into a yield that
+        # would hold it for 5 s and starve the fleet's pace (issue 31).
+        back = HandlerResult(Outcome.HANDED_BACK, reason=f"held back: {breaker.reason}")
+        return Done(lease, back, time.monotonic() + remaining)
     if task.data_error:
         failed = HandlerResult(Outcome.PERMANENT_FAILURE, reason=task.data_error)
         return Done(lease, failed, time.monotonic() + remaining)

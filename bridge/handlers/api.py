@@ -108,6 +108,11 @@ class Yield(BridgeError):
         self.delay = int(delay)
 
 
+class HandBack(BridgeError):
+    """The task did not run here (this worker's transport for it is down): give its lease
+    back at once, no failure counted, for another worker to run it now."""
+
+
 class PermanentFailure(BridgeError):
     """Archive the task with result 1 (failure); it is never retried."""
 

@@ -91,6 +91,12 @@ class CircuitBreaker:
                 return True
             return self._clock() >= self._next_probe and self._try()
 
+    def next_probe_in(self) -> float:
+        """Seconds until an open breaker probes again (0 when closed): how long work for
+        this transport is better left to other workers."""
+        with self._lock:
+            return max(0.0, self._next_probe - self._clock()) if self.is_open else 0.0
+
     def verify(self) -> bool:
         """:meth:`allow`, but a closed breaker probes too when its last evidence is stale."""
         with self._lock:

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from bridge.handlers.api import (
+    HandBack,
     Handler,
     PermanentFailure,
     TaskContext,
@@ -51,8 +52,7 @@ WORKER_EXECUTE = "worker.execute"
 ERR_READ_ONLY = "ERR-BRIDGE-READ-ONLY"  # raised by the extension in read-only mode
 ERR_PARAMETER = "ERR-BRIDGE-PARAMETER"  # the extension refused the request's parameters
 READ_ONLY_YIELD = 300
-# A task held back by a Conduit outage comes back this soon; the poller leases no proxied
-# class while the breaker is open, so it is not re-run before Conduit answers again.
+# A task of a handler without a breaker (the feed hook) yields this long in an outage.
 OUTAGE_YIELD = MIN_YIELD_SECONDS
 PROBE_METHOD = "user.whoami"
 PROBE_TIMEOUT = 5.0
@@ -214,10 +214,12 @@ def conduit_failure(
     task: TaskContext,
     client: ConduitClient,
     breaker: CircuitBreaker | None = None,
-) -> TemporaryFailure | Yield:
+) -> TemporaryFailure | Yield | HandBack:
     """The outcome for a Conduit problem (never permanent), logged as loudly as it deserves.
 
-    An outage yields (no failure counted) and opens ``breaker``, which logs it once.
+    An outage opens ``breaker``, which logs it once, and hands the task back (no failure
+    counted) for a worker that reaches Phorge; without a breaker (nothing holds the
+    class back meanwhile) the task yields instead.
     """
     if exc.error_code == ERR_READ_ONLY:
         # Phorge cannot run anything now; the task is not at fault, so no failure is counted.
@@ -227,8 +229,8 @@ def conduit_failure(
     if reason is not None:
         if breaker is not None:
             breaker.failure(reason)
-        else:
-            logger.error("task %s (%s): %s", task.id, task.task_class, reason)
+            return HandBack(f"Conduit unavailable: {exc}")
+        logger.error("task %s (%s): %s", task.id, task.task_class, reason)
         return Yield(f"Conduit unavailable: {exc}", delay=OUTAGE_YIELD)
     if breaker is not None:
         breaker.success()  # Phorge answered: the problem is this task's
@@ -311,10 +313,8 @@ class ConduitProxyHandler(Handler):
                 WORKER_EXECUTE, params, read_timeout=read_timeout, headers=trace_headers(task)
             )
 
-    def _held_back(self) -> Yield:
-        return Yield(
-            f"held back while Conduit is unavailable: {self.breaker.reason}", delay=OUTAGE_YIELD
-        )
+    def _held_back(self) -> HandBack:
+        return HandBack(f"held back while Conduit is unavailable: {self.breaker.reason}")
 
     def run(self, task: TaskContext) -> None:
         if not self.breaker.allow():

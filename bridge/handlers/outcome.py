@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bridge.handlers.api import (
+    HandBack,
     Handler,
     PermanentFailure,
     TaskContext,
@@ -34,7 +35,8 @@ class HandlerResult:
     (the exception's, else ``wait_before_retry``, else Phorge's 300 s for a handler with
     ``phorge_defaults``), None meaning the runtime's backoff. Either may be negative, as
     in Phorge. ``duration_us`` is the run time the archive keeps: measured here, or
-    where the work ran (PHP, for the Conduit proxy).
+    where the work ran (PHP, for the Conduit proxy). ``error``: what a failed run
+    raised, whose traceback the Celery state carries (Flower shows the handler's stack).
     """
 
     outcome: Outcome
@@ -42,6 +44,7 @@ class HandlerResult:
     reason: str = ""
     duration_us: int = 0
     followups: tuple[NewTask, ...] = ()
+    error: Exception | None = field(default=None, compare=False, repr=False)
 
 
 def policy(
@@ -103,6 +106,8 @@ def classify(
         outcome = Outcome.SUCCESS
     elif isinstance(ended, Yield):
         outcome, delay, reason = Outcome.YIELD, ended.delay, ""
+    elif isinstance(ended, HandBack):
+        outcome = Outcome.HANDED_BACK
     elif isinstance(ended, PermanentFailure):
         outcome = Outcome.PERMANENT_FAILURE
     else:
@@ -115,6 +120,12 @@ def classify(
         outcome = Outcome.FAILURE
     duration_us = measured_duration(ctx)
     followups = ctx.followups if outcome is Outcome.SUCCESS else ()
+    error = ended if outcome in (Outcome.FAILURE, Outcome.PERMANENT_FAILURE) else None
     return HandlerResult(
-        outcome, delay, reason, elapsed_us if duration_us is None else duration_us, followups
+        outcome,
+        delay,
+        reason,
+        elapsed_us if duration_us is None else duration_us,
+        followups,
+        error,
     )

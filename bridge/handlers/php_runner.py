@@ -9,22 +9,22 @@ as ``worker.execute``'s, so the answer is read by the proxy's :func:`apply_resul
 A task whose PHP dies (a fatal error, ``exit()``, a segfault, memory exhausted) or runs
 past its lease (its process is killed a little before the lease ends) fails temporarily,
 with the reason in PHP's words and the worker's own wait, asked of a fresh process. A
-runner that cannot boot is nobody's failure: the task yields and the breaker holds the
-classes back until a process boots again.
+runner that cannot boot is nobody's failure: the task is handed back at once, for a
+worker whose PHP runs, and the breaker holds the classes back here until a process boots
+again.
 """
 
 from __future__ import annotations
 
 import logging
-from fnmatch import fnmatchcase
 from typing import Any
 
-from bridge.handlers.api import Handler, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.api import HandBack, Handler, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.breaker import CircuitBreaker
 from bridge.handlers.conduit_proxy import READ_ONLY_YIELD, apply_result, execute_params
 from bridge.phorge.runner_pool import RunnerPool
 from bridge.phorge.runner_process import RunnerBootError, RunnerDied, RunnerTimedOut
-from bridge.queue.model import DEFAULT_RETRY_WAIT, MIN_YIELD_SECONDS
+from bridge.queue.model import DEFAULT_RETRY_WAIT
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,6 @@ class PhpRunnerHandler(Handler):
         self.breaker = CircuitBreaker(self.probe, name=BREAKER_NAME, max_backoff=PROBE_BACKOFF_MAX)
         self._described: dict[str, dict[str, Any]] = {}
 
-    def serves(self, task_class: str) -> bool:
-        return any(fnmatchcase(task_class, glob) for glob in self.classes)
-
     def probe(self) -> str | None:
         """The breaker's probe: None once a process is booted (booting one if none is)."""
         try:
@@ -83,7 +80,7 @@ class PhpRunnerHandler(Handler):
 
     def run(self, task: TaskContext) -> None:
         if not self.breaker.allow():
-            raise Yield(f"held back: {self.breaker.reason}", delay=MIN_YIELD_SECONDS)
+            raise HandBack(f"held back: {self.breaker.reason}")
         lease = self.required_lease(task) or self.default_lease
         deadline = lease - min(LEASE_MARGIN_MAX, lease * LEASE_MARGIN_SHARE)
         try:
@@ -92,7 +89,7 @@ class PhpRunnerHandler(Handler):
                 answer = process.request({"op": "run", "task": execute_params(task)}, deadline)
         except RunnerBootError as exc:
             self.breaker.failure(str(exc))
-            raise Yield(f"held back: {exc}", delay=MIN_YIELD_SECONDS) from None
+            raise HandBack(f"held back: {exc}") from None
         except RunnerTimedOut as exc:
             reason = f"ran past its lease ({lease} s) and was stopped at {deadline:.0f} s: {exc}"
             raise self._died(task, reason) from None

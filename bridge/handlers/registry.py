@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from fnmatch import fnmatchcase
 from importlib.metadata import entry_points
+from typing import Any
 
 from bridge.config import Settings
 from bridge.errors import BridgeError, DuplicateHandlerError
@@ -66,6 +68,58 @@ def discover(settings: Settings, conduit: ConduitClient | None) -> list[Handler]
     return handlers
 
 
+NATIVE, RUNNER, PROXY = "native", "runner", "proxy"  # what may serve a class
+
+
+def allowed(task_class: str, include: Iterable[str], exclude: Iterable[str]) -> bool:
+    return any(fnmatchcase(task_class, g) for g in include) and not any(
+        fnmatchcase(task_class, g) for g in exclude
+    )
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What a registry serves, in a form one worker announces to the others' polls
+    (``bridge.runtime.announce``): its native classes, the PHP runner's globs (None
+    without a runner), whether the Conduit proxy takes every other class, and the
+    include/exclude globs that narrow them all."""
+
+    native: tuple[str, ...] = ()
+    runner: tuple[str, ...] | None = None
+    proxy: bool = False
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+
+    def transport_for(self, task_class: str) -> str | None:
+        """:data:`NATIVE`, :data:`RUNNER` or :data:`PROXY`: what serves ``task_class``, or
+        None when it is left to PHP's taskmasters."""
+        if not allowed(task_class, self.include, self.exclude):
+            return None
+        if task_class in self.native:
+            return NATIVE
+        if self.runner is not None and any(fnmatchcase(task_class, g) for g in self.runner):
+            return RUNNER
+        return PROXY if self.proxy else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Coverage:
+        """Read another worker's announcement; raises ValueError when it is not one."""
+        try:
+            runner = data["runner"]
+            return cls(
+                native=tuple(data["native"]),
+                runner=None if runner is None else tuple(runner),
+                proxy=bool(data["proxy"]),
+                include=tuple(data["include"]),
+                exclude=tuple(data["exclude"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a coverage: {data!r}") from exc
+
+
 class Registry:
     """Maps a task class to the handler that serves it; one handler per class."""
 
@@ -94,8 +148,15 @@ class Registry:
         self._served: dict[str, Handler | None] = {}  # handler_for's answers, per class
 
     def allowed(self, task_class: str) -> bool:
-        return any(fnmatchcase(task_class, g) for g in self.include) and not any(
-            fnmatchcase(task_class, g) for g in self.exclude
+        return allowed(task_class, self.include, self.exclude)
+
+    def coverage(self) -> Coverage:
+        return Coverage(
+            native=tuple(self.native),
+            runner=None if self.runner is None else self.runner.classes,
+            proxy=self.fallback is not None,
+            include=self.include,
+            exclude=self.exclude,
         )
 
     def handler_for(self, task_class: str) -> Handler | None:
@@ -104,11 +165,13 @@ class Registry:
         try:
             return self._served[task_class]
         except KeyError:
-            handler = self.native.get(task_class)
-            if handler is None:
-                runs_here = self.runner is not None and self.runner.serves(task_class)
-                handler = self.runner if runs_here else self.fallback
-            served = handler if self.allowed(task_class) else None
+            transport = self.coverage().transport_for(task_class)
+            handlers = {
+                NATIVE: self.native.get(task_class),
+                RUNNER: self.runner,
+                PROXY: self.fallback,
+            }
+            served = None if transport is None else handlers[transport]
             return self._served.setdefault(task_class, served)
 
     def handlers(self) -> list[Handler]:

@@ -40,6 +40,9 @@ class Outcome(StrEnum):
     YIELD = "yield"  # given back for a while, failureCount unchanged
     LEASE_LOST = "lease-lost"  # the fence no longer held: nothing was written
     NOT_SERVED = "not-served"  # no handler here any more: the lease was handed back
+    # The handler's transport is unavailable in this worker (its PHP runner cannot boot,
+    # its Conduit breaker is open): the lease was handed back at once, nothing counted.
+    HANDED_BACK = "handed-back"
     UNREPORTED = "unreported"  # the database stayed unreachable: the lease will expire
 
 

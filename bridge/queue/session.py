@@ -334,6 +334,12 @@ def yielded(lease: Lease, seconds: int) -> Write:
     return Write.guarded(sql.YIELD_LEASE, {**_fence(lease), "seconds": seconds}, sql.YIELDED_FROM)
 
 
+def handed_back(lease: Lease) -> Write:
+    """Give the lease back at once, no failure counted: the task did not run here (its
+    transport is down in this worker) and is due for another worker now."""
+    return Write.guarded(sql.HAND_BACK, _fence(lease), sql.HANDED_BACK_FROM)
+
+
 def _held(writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:
     """Each write's verdict, from the row counts of all their statements in order."""
     held, at = [], 0

@@ -378,6 +378,11 @@ FAIL_TEMPORARY = (
 )
 """Temporary failure: failureCount + 1, failureTime, retry after ``wait``; owner stays."""
 
+HAND_BACK = (
+    update(active).where(_FENCE).values(leaseOwner=None, leaseExpires=None, dateModified=db_now())
+)
+"""Hand back a lease whose task did not run here: due at once, failureCount unchanged."""
+
 YIELD_LEASE = (
     update(active)
     .where(_FENCE)
@@ -415,6 +420,13 @@ YIELDED_FROM = select(active.c.id).where(
     active.c.failureCount == bindparam("failure_count", type_=Integer),
 )
 """The active row a yield left (owner ``(yield)``, the failure count unchanged)."""
+
+HANDED_BACK_FROM = select(active.c.id).where(
+    active.c.id == bindparam("task_id", type_=Integer),
+    active.c.leaseOwner.is_(None),
+    active.c.failureCount == bindparam("failure_count", type_=Integer),
+)
+"""The active row a hand-back left (no owner, the failure count unchanged)."""
 
 
 def count_held_by_class(owner_prefix: str, classes: Sequence[str] | None = None) -> Select[Any]:
@@ -685,6 +697,12 @@ def count_taskmasters(
         count(and_(age > unknown_after, age <= dead_after)),
         count(age > dead_after),
     ).where(log.c.status.in_(list(running)), log.c.daemon.like("%TaskmasterDaemon"))
+
+
+def current_account() -> Select[Any]:
+    """The account the server granted this session, ``user@host`` as a GRANT names it
+    (``CURRENT_USER()``: the matching account, not the name the client gave)."""
+    return select(func.current_user())
 
 
 def server_time() -> Select[Any]:

@@ -9,10 +9,11 @@ from celery import Celery
 
 def install(app: Celery) -> None:
     """Register the bridge's tasks, signals and worker options on ``app``."""
-    from bridge.runtime import execute, lifecycle, liveness, poller, quiet_polls
+    from bridge.runtime import execute, lifecycle, liveness, poller, quiet_polls, standby
 
     execute.install(app)
     poller.install(app)
     quiet_polls.install()
     lifecycle.install(app)
     liveness.install(app)
+    standby.install(app)

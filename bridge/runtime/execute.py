@@ -4,8 +4,9 @@ Celery states, registered on an app by :func:`install`.
 
 A message's state is how it ended, not the Phorge task's: a yield is a SUCCESS whose
 result says when the task is due again and how to find its next run, a new message,
-in Flower (``dispatch.search_term``); a batch's result names each task's outcome and the
-messages it sent the rest on in.
+in Flower (``dispatch.search_term``); a temporary failure is a RETRY (Phorge runs the
+task again after its wait), any other end a FAILURE; a batch's result names each task's
+outcome and the messages it sent the rest on in.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from numbers import Real
+from typing import Any, NoReturn, cast
 
 from celery import Celery, Task
+from celery.exceptions import Retry
 from celery.signals import task_postrun, task_prerun
 
 from bridge.engine.batch import Batch
@@ -57,7 +60,7 @@ NOT_DONE: dict[Outcome, type[TaskNotDone]] = {
     Outcome.NOT_SERVED: TaskNotServed,
     Outcome.UNREPORTED: OutcomeUnreported,
 }
-BATCH_DONE = (Outcome.SUCCESS, Outcome.YIELD)
+BATCH_DONE = (Outcome.SUCCESS, Outcome.YIELD, Outcome.HANDED_BACK)
 # Celery cuts a result's text at 1 KB in its log line and events; a batch's names each
 # of its tasks and the messages it sent some on in.
 BATCH_RESULT_MAX = 16384
@@ -85,7 +88,8 @@ def execute(
     """Run Phorge task ``task_id`` under its dispatch lease (``data``: its JSON, when small).
 
     Returns ``'Class#id: success'``, or for a yield what :func:`yielded` says; any other
-    outcome raises a :class:`TaskNotDone`, so Celery's state is FAILURE with the reason.
+    outcome raises (:func:`not_done`), so Celery's state is RETRY or FAILURE with the
+    reason.
     ``repoll`` marks the middle of a full dispatch: once it has run, half the queue's
     capacity is free again, so the poller is asked to fill it now, not at the next beat.
     """
@@ -100,9 +104,27 @@ def execute(
     _, ran, line = batch.ran[0]
     if ran.outcome is Outcome.SUCCESS:
         return line
-    if ran.outcome is Outcome.YIELD:
+    if ran.outcome in (Outcome.YIELD, Outcome.HANDED_BACK):
         return yielded(line, item)
-    raise NOT_DONE[ran.outcome](line)
+    not_done(line, [ran], NOT_DONE[ran.outcome](line))
+
+
+def not_done(text: str, runs: Sequence[Ran], failed: TaskNotDone) -> NoReturn:
+    """End a message whose ``runs`` did not all succeed: in Celery's RETRY state when each
+    was a temporary failure, which Phorge runs again after its wait (Flower counts it
+    Retried, not Failed), else in FAILURE with ``failed``.
+
+    The ``Retry`` carries ``failed`` and the wait; it is raised, never ``self.retry()``,
+    which would send a new message: the database decides what runs again. Either is
+    raised from what the first failed handler raised, so the state's traceback shows the
+    handler's stack.
+    """
+    cause = next((ran.error for ran in runs if ran.error is not None), None)
+    if all(ran.outcome is Outcome.FAILURE for ran in runs):
+        wait = min((ran.wait for ran in runs if ran.wait is not None), default=None)
+        # celery-types says ``numbers.Real``, which mypy does not see an int as.
+        raise Retry(text, failed, when=cast(Real | None, wait)) from cause
+    raise failed from cause
 
 
 def yielded(line: str, item: Leased) -> str:
@@ -124,8 +146,9 @@ def execute_batch(
 
     Once the batch has run for a poll interval, the tasks left are sent on, as many a
     message as ran in that time, so long tasks spread over the workers. Returns
-    :func:`batch_summary` when every task succeeded or yielded, else raises
-    :class:`BatchNotDone`, whose message adds the line of each task that did not.
+    :func:`batch_summary` when every task succeeded or yielded, else ends in RETRY (only
+    temporary failures) or FAILURE (:func:`not_done`) with a :class:`BatchNotDone`,
+    whose message adds the line of each task that did not.
     """
     rt = runtime()
     items = [Leased(*task) for task in tasks]
@@ -148,9 +171,10 @@ def execute_batch(
         if repoll:
             ask_for_poll(self.app)
     summary = batch_summary(batch.ran, sent, handed_back)
-    not_done = [line for _, ran, line in batch.ran if ran.outcome not in BATCH_DONE]
-    if not_done:
-        raise BatchNotDone("; ".join([summary, *not_done]))
+    undone = [(ran, line) for _, ran, line in batch.ran if ran.outcome not in BATCH_DONE]
+    if undone:
+        text = "; ".join([summary, *(line for _, line in undone)])
+        not_done(text, [ran for ran, _ in undone], BatchNotDone(text))
     return summary
 
 
@@ -185,7 +209,8 @@ _trace_tokens: dict[str, Any] = {}
 def _begin_trace(
     task_id: str, task: Task[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any], **_: Any
 ) -> None:
-    """Tag Celery's own lines about the run too (its "raised expected" or "succeeded")."""
+    """Tag Celery's own lines about the run too (its "raised expected", "retry" or
+    "succeeded")."""
     trace = trace_of(task.request, args[0], args[1], kwargs.get("task_class"))
     _trace_tokens[task_id] = begin_trace(trace)
 

@@ -34,7 +34,7 @@ from bridge.engine.metrics import (
 from bridge.engine.tracing import tag_log_lines
 from bridge.phorge import request_slots
 from bridge.queue import Lease
-from bridge.runtime.consumers import ConsumersCollector, ConsumerWatch, survey
+from bridge.runtime.consumers import ConsumersCollector, ConsumerWatch, fleet_survey
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK
 
 log = logging.getLogger(__name__)
@@ -64,11 +64,16 @@ def start_metrics(app: Celery) -> None:
     rt = runtime()
     settings = rt.settings
     if settings.metrics_port:
-        watch = ConsumerWatch(lambda: survey(app, rt.queue.stats(), rt.registry, settings))
+        watch = ConsumerWatch(
+            lambda known: fleet_survey(app, rt.queue.stats(), rt.registry, settings, known)
+        )
         ports, address = settings.metrics_port, settings.metrics_address
+        queue_figures = QueueCollector(
+            rt.queue, rt.registry, settings.router, settings.owner_prefix, fleet=watch.served
+        )
         collectors = (
             ProcessesCollector(os.environ[MULTIPROC_DIR]),  # set by count_in_children
-            QueueCollector(rt.queue, rt.registry, settings.router, settings.owner_prefix),
+            queue_figures,
             ConsumersCollector(watch),
         )
         try:

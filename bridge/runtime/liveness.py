@@ -5,7 +5,8 @@ A live process proves little: a worker can stay up, even connected, and consume 
 beat went on sending polls). With ``celery -A bridge worker --liveness-file PATH`` the
 worker's consumer sends itself a message through the broker every
 ``ALIVE_INTERVAL`` seconds, on a queue of its own node, and touches ``PATH`` when that
-message comes back while it still consumes a task queue. The file stays fresh only while
+message comes back while it still consumes a task queue (or stands by on one on
+purpose, ``bridge.runtime.standby``). The file stays fresh only while
 the broker connection works both ways, the consumer's event loop takes messages and a
 task consumer is there; ``phorge-bridge health`` turns its age into the exit status a
 supervisor (docker, systemd) acts on.
@@ -21,6 +22,8 @@ from typing import Any, cast
 import click
 from celery import Celery, bootsteps
 from kombu import Consumer, Exchange, Message, Producer, Queue
+
+from bridge.runtime.standby import standing_by
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,8 @@ class Liveness(bootsteps.ConsumerStep):
     def on_message(self, _body: Any, message: Message) -> None:
         message.ack()
         task_consumer = getattr(self.worker_consumer, "task_consumer", None)
-        if self.path is not None and task_consumer is not None and task_consumer.queues:
+        consuming = task_consumer is not None and (task_consumer.queues or standing_by())
+        if self.path is not None and consuming:
             self.path.touch()
 
 

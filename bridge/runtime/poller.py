@@ -15,7 +15,7 @@ from bridge.engine.context import Runtime, runtime
 from bridge.engine.metrics import observed_poll
 from bridge.engine.poll import poll_once
 from bridge.queue.retry import DatabaseUnavailable, is_transient
-from bridge.runtime.consumers import ConsumerWatch, survey
+from bridge.runtime.consumers import ConsumerWatch, fleet_survey
 from bridge.runtime.dispatch import send
 from bridge.runtime.execute import POLL_TASK
 from bridge.runtime.quiet_polls import QuietTask
@@ -25,29 +25,34 @@ log = logging.getLogger(__name__)
 _watches: dict[int, ConsumerWatch] = {}
 
 
-def watch_consumers(app: Celery, rt: Runtime) -> None:
-    """Log queues left with due rows and no consumer, once per change (per process).
-
-    The control API is asked at most every ``ConsumerWatch.every`` seconds, on a thread
-    of its own: the poll goes on at once, and a failure to ask never fails it.
-    """
+def consumer_watch(app: Celery, rt: Runtime) -> ConsumerWatch:
+    """This process's watch of the queues' consumers, which logs queues left with due
+    rows and no consumer, once per change."""
     pid = os.getpid()
     if pid not in _watches:
         _watches.clear()
         _watches[pid] = ConsumerWatch(
-            lambda: survey(app, rt.queue.stats(), rt.registry, rt.settings), log_changes=True
+            lambda known: fleet_survey(app, rt.queue.stats(), rt.registry, rt.settings, known),
+            log_changes=True,
         )
-    _watches[pid].refresh_soon()
+    return _watches[pid]
 
 
 def poll(self: Task[Any, Any]) -> int:
-    """Beat's periodic poll of Phorge's queue (and the one a marked task asks for)."""
+    """Beat's periodic poll of Phorge's queue (and the one a marked task asks for).
+
+    The control API is asked at most every ``ConsumerWatch.every`` seconds, on a thread
+    of its own: the poll goes on at once with the last answer, and a failure to ask
+    never fails it.
+    """
     app = self.app
     try:
         with observed_poll():  # its time, its errors, when the last one ended
             rt = runtime()
-            sent = poll_once(rt, partial(send, app))
-            watch_consumers(app, rt)
+            watch = consumer_watch(app, rt)
+            node = self.request.hostname or ""
+            sent = poll_once(rt, partial(send, app), partial(watch.runs_elsewhere, node=node))
+            watch.refresh_soon()
     except Exception as exc:
         if not (isinstance(exc, DatabaseUnavailable) or is_transient(exc)):
             raise

@@ -1,10 +1,12 @@
-"""``bridge.poll`` out of Flower's sight and out of the worker's log at INFO.
+"""``bridge.poll`` out of Flower's sight and out of beat's and the worker's log at INFO.
 
 Beat sends a poll every poll interval, 14,400 an hour at 0.25 s: as tasks they filled
-Flower's list and its counts (Flower counts messages, not Phorge's tasks), and a worker
-logged two INFO lines for each. A poll sends no task events and no task-sent event, and
-Celery's INFO lines about running it are dropped; its warnings and errors still log, and
-the poll's own metrics (``bridge.engine.metrics.observed_poll``) still count every one.
+Flower's list and its counts (Flower counts messages, not Phorge's tasks), beat logged a
+line for each and a worker two. A poll sends no task events and no task-sent event, and
+Celery's INFO lines about sending and running it are dropped; its warnings and errors
+still log, and the poll's own metrics (``bridge.engine.metrics.observed_poll``) still
+count every one. Beat's log says when it starts sending and when it stands by (the beat
+lock's lines).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ if TYPE_CHECKING:
 else:
     BaseTask = Task  # not subscriptable at run time
 
-# Celery's loggers of "Task bridge.poll[...] received" and "... succeeded in ...". Beat's
-# own "Sending due task" lines stay: they are how its log shows that it is sending.
-CELERY_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
+# Celery's loggers of "Task bridge.poll[...] received", "... succeeded in ..." (the
+# worker) and "Scheduler: Sending due task poll-phorge-queue (bridge.poll)" (beat).
+CELERY_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")
 
 
 class NoSentEvent:
@@ -49,21 +51,26 @@ class QuietTask(BaseTask):
         return super().apply_async(*args, **options)
 
 
+def names_a_poll(args: object) -> bool:
+    """Whether a line's arguments name the poll task: the worker's lines have a mapping
+    with the task's name, beat's a tuple of the entry's name and its task."""
+    if isinstance(args, Mapping):
+        return args.get("name") == POLL_TASK
+    return isinstance(args, tuple) and POLL_TASK in args
+
+
 class QuietPollLines(logging.Filter):
-    """Drops Celery's INFO lines about a poll (their arguments, a mapping, name the task);
-    lines at other levels pass."""
+    """Drops Celery's INFO lines about a poll; lines at other levels pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        about_a_poll = isinstance(args, Mapping) and args.get("name") == POLL_TASK
-        return record.levelno != logging.INFO or not about_a_poll
+        return record.levelno != logging.INFO or not names_a_poll(record.args)
 
 
 QUIET = QuietPollLines()
 
 
 def install() -> None:
-    """Filter Celery's loggers, in this process and in those it forks (the pool's
-    children log the "succeeded" line; ``addFilter`` adds the filter once)."""
+    """Filter Celery's loggers, in this process (beat, a worker) and in those it forks
+    (the pool's children log the "succeeded" line; ``addFilter`` adds the filter once)."""
     for name in CELERY_LOGGERS:
         logging.getLogger(name).addFilter(QUIET)

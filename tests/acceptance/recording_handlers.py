@@ -7,8 +7,9 @@ exactly as it would a third-party package's handlers.
 
 It behaves like ``PhabricatorTestWorker`` (same data keys) for the classes ``RecordedA``,
 ``RecordedB`` and ``RecordedC``, plus ``failTimes`` (fail temporarily while the task's
-failure count is below it) and ``yieldFirst`` (yield that many seconds on the first run,
-however late it starts: a deadline set at enqueue would depend on start-up time).
+failure count is below it, raised from :func:`fail_on_purpose`, which a failure's
+traceback names) and ``yieldFirst`` (yield that many seconds on the first run, however
+late it starts: a deadline set at enqueue would depend on start-up time).
 Each run appends a JSON line to ``$PHORGE_BRIDGE_TEST_RECORD_FILE``
 when it starts and when it ends, naming the worker (``$PHORGE_BRIDGE_TEST_WORKER``) and the
 process that ran it.
@@ -43,6 +44,10 @@ def record(event: str, task: TaskContext) -> None:
     )
 
 
+def fail_on_purpose(task: TaskContext, times: int) -> None:
+    raise RuntimeError(f"failing on purpose ({task.failure_count + 1} of {times})")
+
+
 class RecordingTestWorker(PhabricatorTestWorker):
     task_classes = ("RecordedA", "RecordedB", "RecordedC")
     phorge_defaults = False  # classes Phorge does not have: the bridge's backoff
@@ -51,9 +56,7 @@ class RecordingTestWorker(PhabricatorTestWorker):
         record("start", task)
         data = task.data if isinstance(task.data, dict) else {}
         if task.failure_count < data.get("failTimes", 0):
-            raise RuntimeError(
-                f"failing on purpose ({task.failure_count + 1} of {data['failTimes']})"
-            )
+            fail_on_purpose(task, data["failTimes"])
         if "yieldFirst" in data and runs_so_far(task.id) == 1:
             raise Yield(delay=data["yieldFirst"])
         super().run(task)

@@ -91,9 +91,10 @@ def test_task_events_show_bridge_execute_with_the_phorge_task_as_argument(event_
 
 
 def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log):
-    """Flower's states: SUCCESS, FAILURE with the reason, SUCCESS for a yield (the message
-    is done; the row runs again in a new one); nothing is sent again by Celery (the rows
-    decide), and expected failures log one line each."""
+    """Flower's states: SUCCESS, RETRY for a temporary failure, FAILURE with the reason,
+    SUCCESS for a yield (the message is done; the row runs again in a new one); nothing
+    is sent again by Celery, a RETRY included (the rows decide), and expected failures
+    log one line each."""
     bridge, log = event_log
     worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
     bridge.wait_ready(worker)
@@ -113,7 +114,7 @@ def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log)
             for e in list(log.events)
             if e["type"] == "task-received" and e.get("name") == "bridge.execute"
         }
-        final = ("task-succeeded", "task-failed")
+        final = ("task-succeeded", "task-retried", "task-failed")
         done = {
             by_uuid[e["uuid"]]: e
             for e in list(log.events)
@@ -124,7 +125,7 @@ def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log)
     done = bridge.wait_until(ended, 30, "an end event for each task")
     assert {i: done[i]["type"] for i in ids} == {
         ok: "task-succeeded",
-        flaky: "task-failed",
+        flaky: "task-retried",
         broken: "task-failed",
         later: "task-succeeded",
     }
@@ -148,6 +149,7 @@ def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log)
     worker_log = worker.log()
     assert "Traceback" not in worker_log
     assert f"raised expected: TaskFailedPermanently('{TASK_CLASS}#{broken}" in worker_log
+    assert f"retry: {TASK_CLASS}#{flaky}: failure: Temporary failure! (due" in worker_log
 
 
 def test_one_grep_follows_a_task_from_the_poll_to_its_outcome(make_bridge, database_url, amqp_url):

@@ -1,5 +1,7 @@
 """Flower started as the README says, over real workers and beat: it shows Phorge's
-tasks and only them, finds each by its id alone, and a yield leads to its next run.
+tasks and only them, finds each by its id alone, a yield leads to its next run, and its
+counts are Phorge's: a temporary failure is Retried, not Failed, and a failure's
+traceback is the handler's.
 
 Flower is queried through the endpoint its task list reads (``/tasks/datatable``), so a
 search here is what an operator's search box returns. Task events are on from the start
@@ -19,11 +21,15 @@ import requests
 from bridge_harness import Bridge, CeleryProcess, deployments
 from prometheus_client.parser import text_string_to_metric_families
 
+from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS
+
 ROOT = Path(__file__).resolve().parents[2]
 FLOWER_CONFIG = ROOT / "compose" / "flowerconfig.py"
 TASK_CLASS = "RecordedA"
 BACKLOG = 130  # ids 2-131 beside the first task's 1: #12 beside #120-#129
 METRICS_PORTS = "19500-19599"  # the worker serves on the first free one, and logs it
+# Flower's counts of a worker's task events, as its Workers page shows them.
+COUNTS = {"succeeded": "task-succeeded", "failed": "task-failed", "retried": "task-retried"}
 
 
 class FlowerBridge(Bridge):
@@ -58,6 +64,13 @@ class Flower:
         reply = requests.get(f"{self.url}/tasks/datatable", params=params, timeout=10)
         reply.raise_for_status()
         return reply.json()["data"]
+
+    def counts(self) -> dict[str, int]:
+        """The Workers page's Succeeded, Failed and Retried, summed over the workers."""
+        reply = requests.get(f"{self.url}/workers", params={"json": 1}, timeout=10)
+        reply.raise_for_status()
+        workers = reply.json()["data"]
+        return {name: sum(w.get(event, 0) for w in workers) for name, event in COUNTS.items()}
 
     def up(self) -> bool:
         try:
@@ -164,3 +177,51 @@ def test_a_yield_is_done_in_flower_and_its_result_finds_its_next_run(deployment)
     assert result.startswith(f"{TASK_CLASS}#{task_id}: yield (due again in 1 s); ")
     # The query the yield's result names is the one that found both.
     assert result.endswith(f"search {query}")
+
+
+def phorges_counts(bridge: FlowerBridge) -> dict[str, int]:
+    """What Phorge's archive says: tasks succeeded and failed, and the temporary failures
+    counted on the way (``failureCount``)."""
+    rows = bridge.archived().values()
+    return {
+        "succeeded": sum(row.result == RESULT_SUCCESS for row in rows),
+        "failed": sum(row.result == RESULT_FAILURE for row in rows),
+        "retried": sum(row.failureCount for row in rows),
+    }
+
+
+def test_flowers_counts_are_phorges_and_a_failure_shows_the_handlers_traceback(deployment):
+    bridge, flower = deployment.bridge, deployment.flower
+    now = {"getWaitBeforeRetry": 0}
+    ids = [
+        *bridge.enqueue(TASK_CLASS, count=4),
+        *(flaky := bridge.enqueue(TASK_CLASS, {"failTimes": 2, **now}, count=3)),
+        *(refused := bridge.enqueue(TASK_CLASS, {"doWork": "fail-permanent"}, count=2)),
+        # Two temporary failures, then the maximum retry count fails it for good.
+        *bridge.enqueue(TASK_CLASS, {"doWork": "fail-temporary", "getMaximumRetryCount": 1, **now}),
+    ]
+    bridge.wait_archived(ids)
+    expected = phorges_counts(bridge)
+    assert expected == {"succeeded": 8, "failed": 3, "retried": 8}  # the fixture's task too
+
+    bridge.wait_until(
+        lambda: sum(flower.counts().values()) >= sum(expected.values()),
+        30,
+        "Flower to count every message",
+    )
+    assert flower.counts() == expected
+
+    [retried, *_] = [r for r in flower.rows(f"kwargs:{flaky[0]}={TASK_CLASS}") if r["retried"]]
+    assert retried["state"] == "RETRY"
+    reason = f"{TASK_CLASS}#{flaky[0]}: failure: failing on purpose (1 of 2) (due again in 0 s)"
+    assert retried["exception"] == f"TaskFailed({reason!r})"
+    assert "in fail_on_purpose" in retried["traceback"]
+    assert "RuntimeError: failing on purpose (1 of 2)" in retried["traceback"]
+    [failed] = flower.rows(f"kwargs:{refused[0]}={TASK_CLASS}")
+    assert failed["state"] == "FAILURE"
+    assert "PermanentFailure: Permanent failure!" in failed["traceback"]
+    assert 'phabricator.py", line' in failed["traceback"]  # PhabricatorTestWorker.run
+    # Celery logs each in one line, without a traceback, the reason as Flower shows it.
+    log = deployment.worker.log()
+    assert f"] retry: {reason} [task={flaky[0]} " in log
+    assert "Traceback" not in log

@@ -7,6 +7,7 @@ through 14,400 polls (at the default 0.25 s).
 
 from __future__ import annotations
 
+from bridge_harness import POLL_SENT
 from kombu import Connection
 
 POLL_INTERVAL = 0.05  # the TTL is ten intervals: 0.5 s
@@ -20,10 +21,10 @@ def waiting(amqp_url: str, queue: str) -> int:
 
 def test_polls_no_worker_takes_expire_in_rabbitmq(make_bridge, database_url, amqp_url):
     bridge = make_bridge(database_url, amqp_url, POLL_INTERVAL=str(POLL_INTERVAL))
-    beat = bridge.beat()
+    beat = bridge.beat(level="DEBUG")
 
     bridge.wait_until(
-        lambda: beat.log().count("Sending due task") >= SENT, 120, f"beat to send {SENT} polls"
+        lambda: beat.log().count(POLL_SENT) >= SENT, 120, f"beat to send {SENT} polls"
     )
     # Only polls younger than the TTL wait; a loaded machine sends fewer, never more.
     assert waiting(amqp_url, bridge.control_queue) <= SENT // 2

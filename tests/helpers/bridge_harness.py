@@ -45,6 +45,7 @@ PLUGIN = Path(__file__).parents[1] / "acceptance" / "recording_handlers.py"
 RUN_RECORD = Path(__file__).with_name("run_record.py")
 READY_TIMEOUT = 30.0
 LOG_TAIL = 40  # lines of each process log shown when a wait fails
+POLL_SENT = "bridge.poll sent."  # beat's DEBUG line for each poll it sends
 
 
 def write_plugin(
@@ -209,13 +210,15 @@ class Bridge:
 
     # -- processes ------------------------------------------------------------------------
 
-    def _start(self, name: str, args: list[str]) -> CeleryProcess:
+    def _start(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> CeleryProcess:
         log_path = self.directory / f"{name}.log"
         with log_path.open("wb") as log:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "bridge", *args],
                 cwd=self.directory,
-                env=self.environ(name),
+                env={**self.environ(name), **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -235,8 +238,10 @@ class Bridge:
         *,
         concurrency: int = 1,
         extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> CeleryProcess:
-        """Start ``celery worker -Q queues`` (names as given); see :meth:`wait_ready`."""
+        """Start ``celery worker -Q queues`` (names as given), with ``env`` over the
+        deployment's settings (one host's own, e.g. a broken PHP); see :meth:`wait_ready`."""
         return self._start(
             name,
             [
@@ -254,13 +259,17 @@ class Bridge:
                 "--without-gossip",
                 *extra,
             ],
+            env,
         )
 
-    def beat(self, name: str = "beat", *, schedule_file: bool = True) -> CeleryProcess:
+    def beat(
+        self, name: str = "beat", *, schedule_file: bool = True, level: str = "INFO"
+    ) -> CeleryProcess:
         """Start ``celery beat``, with a schedule file of its own unless ``schedule_file``
-        is False (then as the README runs it, in the bridge's directory)."""
+        is False (then as the README runs it, in the bridge's directory); at DEBUG, its
+        log has a line for each poll sent (:data:`POLL_SENT`)."""
         schedule = ["-s", str(self.directory / f"{name}-schedule")] if schedule_file else []
-        return self._start(name, ["beat", "-l", "INFO", *schedule])
+        return self._start(name, ["beat", "-l", level, *schedule])
 
     def wait_ready(self, *workers: CeleryProcess) -> None:
         """Wait until each worker logged that it is ready to consume."""

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from bridge.cli.main import main
 from bridge.queue import PhorgeQueue
+from bridge.queue.beat_lock import BeatLock, beat_lock_holder
 from bridge.queue.model import RESULT_CANCELLED, TaskFilter
 
 
@@ -132,6 +133,39 @@ def test_stats_counts_per_class_and_state(cli):
     queue.enqueue("B", {})
     stats = json.loads(invoke("stats", "--json"))
     assert stats["by_class"] == {"A": {"queued": 1, "delayed": 1}, "B": {"queued": 1}}
+
+
+NO_BEAT = (
+    "no beat holds the beat lock, so no poll is sent: start `celery -A bridge beat` "
+    "(or a worker with -B); a second one on another host stands by"
+)
+
+
+def test_stats_says_whether_a_beat_sends_the_polls(cli, mysql_engine):
+    invoke, queue = cli
+    queue.enqueue("PhabricatorTestWorker", {})
+    lines = invoke("stats").splitlines()
+    assert lines[1].startswith("oldest queued task: ") and lines[2] == f"beat: {NO_BEAT}", lines
+    assert json.loads(invoke("stats", "--json"))["beat"] == {"status": "fail", "detail": NO_BEAT}
+    lock = BeatLock(mysql_engine, "bridge")
+    try:
+        assert lock.held()
+        holder = beat_lock_holder(mysql_engine, "bridge")
+        sending = f"a beat sends the polls (database connection {holder})"
+        assert f"beat: {sending}" in invoke("stats").splitlines()
+        assert json.loads(invoke("stats", "--json"))["beat"] == {"status": "ok", "detail": sending}
+    finally:
+        lock.close()
+
+
+def test_stats_presents_the_control_queue_as_the_polls_it_carries(cli):
+    invoke, queue = cli
+    queue.enqueue("PhabricatorTestWorker", {})
+    queues = [line for line in invoke("stats").splitlines() if line.startswith("queue ")]
+    assert [line.split(", consumed by ")[0] for line in queues] == [
+        "queue bridge.control: polls (needed while any task is due)",
+        "queue phorge: 1 due",
+    ]
 
 
 def test_a_bad_setting_stops_the_cli_with_its_name(cli, monkeypatch):

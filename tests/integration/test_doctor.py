@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
+from bridge.cli.doctor import CHECKS
 from bridge.cli.main import main
 from bridge.phorge.extension import shipped_sha256, shipped_version
 from bridge.queue import PhorgeQueue
@@ -152,6 +153,39 @@ def test_served_classes_and_those_left_to_php_are_named(phorge, doctor):
         "2 in the queue; served by the bridge: PhabricatorTestWorker; "
         "left to PHP (no handler, or excluded): PhabricatorSearchWorker"
     )
+    # The control queue carries polls: its count is every queue's, no task of its own.
+    assert checks["queue consumers"]["detail"].startswith(
+        "bridge.control: polls (needed while any task is due), consumed by "
+    )
+    assert "; phorge: 1 due, consumed by " in checks["queue consumers"]["detail"]
+
+
+@pytest.mark.parametrize(
+    ("env", "served"),
+    [
+        ({}, "native handlers serve PhabricatorTestWorker; every other class is left to PHP"),
+        (
+            {"PHORGE_ROOT": "/srv/phorge"},
+            "native handlers serve PhabricatorTestWorker; "
+            "the PHP runner serves every other class (BRIDGE_RUNNER_CLASSES=*)",
+        ),
+        (
+            {
+                "PHORGE_ROOT": "/srv/phorge",
+                "RUNNER_CLASSES": "*Search*",
+                "CONDUIT_URL": f"http://127.0.0.1:{closed_port()}",
+                "CONDUIT_TOKEN": TOKEN,
+            },
+            "native handlers serve FeedPublisherHTTPWorker, PhabricatorTestWorker; "
+            "the PHP runner serves the classes matching *Search* (BRIDGE_RUNNER_CLASSES="
+            "*Search*); the Conduit proxy serves every other class (BRIDGE_CONDUIT_URL)",
+        ),
+    ],
+    ids=["php", "runner", "runner-and-proxy"],
+)
+def test_an_empty_queue_names_what_the_bridge_would_serve(doctor, env, served):
+    _, checks = doctor(**env)
+    assert checks["served classes"]["detail"] == f"none in the queue; {served}"
 
 
 def test_taskmasters_count_only_with_a_live_heartbeat_as_phorges_console(phorge, doctor):
@@ -170,6 +204,44 @@ def test_taskmasters_count_only_with_a_live_heartbeat_as_phorges_console(phorge,
     assert checks["taskmasters"]["detail"].endswith(
         "not counted, as Phorge's daemon console calls them: 1 unknown "
         "(heartbeat over 360 s old), 1 dead (over 3600 s)"
+    )
+
+
+@pytest.fixture
+def worker_only_account(phorge, doctor, mysql_server, monkeypatch) -> Iterator[str]:
+    """BRIDGE_DATABASE_URL on an account granted the worker database only: the account
+    docs/operations.md, "Before the cutover", recommends, less the daemon_log grant."""
+    name = f"doc_{secrets.token_hex(4)}"
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"CREATE USER '{name}'@'127.0.0.1' IDENTIFIED BY 'rw'")
+        conn.exec_driver_sql(
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON `{phorge.url.database}`.* "
+            f"TO '{name}'@'127.0.0.1'"
+        )
+    url = phorge.url.set(username=name, password="rw")
+    monkeypatch.setenv("BRIDGE_DATABASE_URL", url.render_as_string(hide_password=False))
+    yield name
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"DROP USER '{name}'@'127.0.0.1'")
+
+
+def test_an_unreadable_daemon_log_is_one_line_naming_the_grant_to_add(
+    phorge, doctor, worker_only_account, mysql_server
+):
+    lines = CliRunner().invoke(main, ["doctor"], catch_exceptions=False).output.splitlines()
+    assert len(lines) == len(CHECKS), lines
+    daemon = f"{phorge.url.database.removesuffix('_worker')}_daemon"
+    grant = f"GRANT SELECT ON {daemon}.daemon_log TO '{worker_only_account}'@'127.0.0.1'"
+    assert (
+        f"warn  taskmasters: unknown: this account may not read Phorge's daemon log: {grant}"
+        in lines
+    )
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(grant)  # the line is the fix: once run, the check passes
+    _, checks = doctor()
+    assert (checks["taskmasters"]["status"], checks["taskmasters"]["detail"]) == (
+        "ok",
+        "none running",
     )
 
 

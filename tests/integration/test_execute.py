@@ -17,6 +17,7 @@ from typing import Any
 import MySQLdb
 import pytest
 from bad_rows import corrupt_data
+from celery.exceptions import Retry
 from flaky_sql import flaky, flaky_statement
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, event, select, update
@@ -27,7 +28,7 @@ from bridge.config import load_settings
 from bridge.engine.batch import run_task
 from bridge.engine.context import Runtime
 from bridge.engine.run import backoff
-from bridge.handlers.api import Handler, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
 from bridge.queue import OperatorActions, Outcome, PhorgeQueue, make_engine
@@ -226,14 +227,16 @@ def test_the_celery_task_reports_its_outcome_by_label(rt, monkeypatch):
 
 
 def test_the_celery_task_raises_what_celery_records_as_its_state(rt, monkeypatch):
-    """FAILURE with the reason for failures and lost leases; a yield is a SUCCESS that
-    says how to find its next run."""
+    """RETRY for a temporary failure, which Phorge retries after its wait; FAILURE with
+    the reason for lost leases; a yield is a SUCCESS that says how to find its next run."""
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "fail-temporary", "getWaitBeforeRetry": 60})
     label = f"{TEST_WORKER}#{task.id}"
-    with pytest.raises(errors.TaskFailed) as failed:
+    with pytest.raises(Retry) as failed:
         celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
-    assert str(failed.value) == f"{label}: failure: Temporary failure! (due again in 60 s)"
+    reason = f"{label}: failure: Temporary failure! (due again in 60 s)"
+    assert (str(failed.value), failed.value.when) == (reason, 60)
+    assert isinstance(failed.value.exc, errors.TaskFailed) and str(failed.value.exc) == reason
     with pytest.raises(errors.LeaseLost) as lost:
         celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
     assert str(lost.value).startswith(f"{label}: lease-lost: the lease was no longer held")
@@ -690,6 +693,31 @@ def test_each_outcome_in_a_batch_is_fenced_alone(rt, probe, batches):
     assert active_row(rt, first).leaseOwner == "someone-else"
     assert active_row(rt, second).failureCount == 1
     assert [row.result for row in archive_rows(rt, third)] == [RESULT_SUCCESS]
+
+
+@pytest.mark.parametrize(
+    ("third", "ended"),
+    [("succeeds", Retry), ("fails for good", errors.BatchNotDone)],
+)
+def test_a_batch_retries_when_its_only_failures_are_temporary(rt, probe, batches, third, ended):
+    owner, items = lease_batch(rt, PROBE, 3)
+    _, second, last = (item[0] for item in items)
+
+    def behave(ctx: TaskContext) -> None:
+        if ctx.id == second:
+            raise TemporaryFailure("down", delay=60)
+        if ctx.id == last and third == "fails for good":
+            raise PermanentFailure("bad address")
+
+    probe.behaviour = behave
+    with pytest.raises(ended) as not_done:
+        celery_execute_batch()(owner, items)
+    text = str(not_done.value)
+    assert text.startswith("3 task(s): ")
+    assert f"{PROBE}#{second}: failure: down (due again in 60 s)" in text
+    # The reason is the handler's, raised where it failed.
+    assert str(not_done.value.__cause__) == "down"
+    assert active_row(rt, second).failureCount == 1
 
 
 def test_a_batch_past_its_poll_interval_sends_the_rest_on_unrun(rt, probe, batches):

@@ -8,7 +8,7 @@ from itertools import pairwise
 import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result, execute_answer
 
-from bridge.handlers.api import TaskContext, Yield
+from bridge.handlers.api import HandBack, TaskContext
 from bridge.handlers.breaker import CircuitBreaker
 from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.phorge.conduit import ConduitClient, ConduitTransportError
@@ -77,10 +77,10 @@ def test_the_proxy_holds_tasks_back_without_calling_while_open() -> None:
 
     with FakeServer(respond) as server:
         proxy = ConduitProxyHandler(ConduitClient(server.url, TOKEN))
-        with pytest.raises(Yield):
+        with pytest.raises(HandBack):
             proxy.run(task())
         assert proxy.breaker.is_open
-        with pytest.raises(Yield, match="held back"):
+        with pytest.raises(HandBack, match="held back"):
             proxy.run(task())  # before the first probe is due: no request at all
         assert len(server.requests) == 1
         down["on"] = False

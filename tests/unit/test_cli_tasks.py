@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from uuid import uuid4
 
 import outcomes
 import pytest
@@ -19,6 +20,7 @@ from bridge.cli import watch
 from bridge.cli.main import main
 from bridge.engine.run import Ran
 from bridge.engine.tracing import TaskLogFilter, TaskTrace, new_traceparent, traced
+from bridge.errors import TaskFailed
 from bridge.queue import NewTask, Outcome, PhorgeQueue, TaskFilter
 from bridge.queue.actions import OperatorActions
 from bridge.queue.schema import lisk_counter
@@ -51,8 +53,16 @@ def cli(queue) -> Invoke:
     return invoke
 
 
+def celery_quote(line: str, outcome: Outcome) -> str:
+    """Celery's own line about a ``bridge.execute`` message, which quotes its outcome."""
+    if outcome in (Outcome.SUCCESS, Outcome.YIELD):
+        return f"Task bridge.execute[{uuid4()}] succeeded in 0.01s: {line!r}"
+    return f"Task bridge.execute[{uuid4()}] raised expected: {TaskFailed(line)!r}"
+
+
 def run_log(path: Path, queue: PhorgeQueue, task_id: int, ran: Ran) -> None:
-    """Append the lines a worker logs for one run of ``task_id``, tagged as it tags them."""
+    """Append the lines a worker logs for one run of ``task_id``, tagged as it tags them:
+    the dispatch, the outcome, and Celery's own line quoting the outcome."""
     task = queue.get(task_id)
     assert task is not None
     logger = logging.getLogger("test_cli_tasks.worker")
@@ -66,7 +76,9 @@ def run_log(path: Path, queue: PhorgeQueue, task_id: int, ran: Ran) -> None:
         )
         with traced(trace):
             logger.warning("%s: dispatched to default", task.label)
-            logger.warning("%s", ran.describe(task.label))
+            line = ran.describe(task.label)
+            logger.warning("%s", line)
+            logger.warning("%s", celery_quote(line, ran.outcome))
     finally:
         logger.removeHandler(handler)
         handler.close()
@@ -190,8 +202,8 @@ def test_show_tells_the_whole_story_of_one_task_from_its_row_and_its_runs(cli, q
     assert told["data_bytes"] == len('{"n":0}') and told["data"] == {"n": 0}
     assert told["reason"] == "permanent-failure: bad address"
     assert [(run["owner"], run["outcome"], len(run["lines"])) for run in told["runs"]] == [
-        (first, "failure: mail server down", 2),
-        (second, "permanent-failure: bad address", 2),
+        (first, "failure: mail server down", 3),
+        (second, "permanent-failure: bad address", 3),
     ]
     assert not any("not me" in line for run in told["runs"] for line in run["lines"])
 
@@ -200,6 +212,40 @@ def test_show_tells_the_whole_story_of_one_task_from_its_row_and_its_runs(cli, q
     assert "  data           7 bytes" in text
     assert "history: 2 run(s) in the logs" in text
     assert f"  run 2: owner {second}, permanent-failure: bad address" in text
+
+
+def test_the_reason_is_the_bridges_outcome_line_not_celerys_quote_of_it(cli, queue, tmp_path):
+    flaky, broken, waiting = (queue.enqueue(WORKER, {"n": n}) for n in range(3))
+    log = tmp_path / "worker.log"
+    run_log(log, queue, flaky, Ran(Outcome.FAILURE, "mail server down", 300))
+    run_log(log, queue, broken, Ran(Outcome.PERMANENT_FAILURE, "bad address"))
+    run_log(log, queue, waiting, Ran(Outcome.YIELD, "import running", 60))
+    assert "raised expected: TaskFailed('PhabricatorTestWorker#1: failure: " in log.read_text()
+    reasons = {i: row["reason"] for i, row in listed(cli, "--log", str(log)).items()}
+    assert reasons == {
+        flaky: "failure: mail server down",
+        broken: "permanent-failure: bad address",
+        waiting: "yield: import running",
+    }
+    text = cli("list", "--log", str(log)).stdout.splitlines()
+    assert [line.split("  ")[-1] for line in text[1:]] == [
+        "yield: import running",
+        "permanent-failure: bad address",
+        "failure: mail server down",
+    ]
+    shown = cli("show", "--id", str(broken), "--log", str(log)).stdout
+    assert "  reason         permanent-failure: bad address\n" in shown
+    assert re.search(r"\n  run 1: owner \S+, permanent-failure: bad address\n", shown)
+
+
+def test_show_says_an_archived_task_holds_no_lease_and_an_active_one_when_its_runs_out(cli, queue):
+    done, running = queue.enqueue(WORKER, {"n": 1}), queue.enqueue(WORKER, {"n": 2})
+    assert outcomes.complete(queue, done, leased(queue, done), 1500)
+    leased(queue, running)  # a 60 s lease
+    archived = cli("show", "--id", str(done)).stdout
+    assert "  lease expires  none (archived: the last run's lease ended with it)\n" in archived
+    live = cli("show", "--id", str(running)).stdout
+    assert re.search(r"\n  lease expires  \S+ \S+Z \(in (1 min|59 s)\)\n", live), live
 
 
 def test_show_without_logs_says_where_the_history_comes_from(cli, queue):

@@ -70,11 +70,11 @@ def test_php_dying_in_a_batch_fails_each_task_with_its_message() -> None:
     assert all("memory size exhausted" in r.reason for r in results)
 
 
-def test_an_outage_holds_the_whole_batch_back_without_a_failure() -> None:
+def test_an_outage_hands_the_whole_batch_back_without_a_failure() -> None:
     with FakeServer(lambda request: Reply(status=503, body=b"down")) as server:
         handler = proxy(server.url)
         results = run_handlers(handler, [task(1), task(2), task(3)])
-    assert [r.outcome for r in results] == [Outcome.YIELD] * 3
+    assert [r.outcome for r in results] == [Outcome.HANDED_BACK] * 3
     assert not handler.breaker.allow()
 
 

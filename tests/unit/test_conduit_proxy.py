@@ -16,7 +16,7 @@ from conduit_fakes import (
     execute_answer,
 )
 
-from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.api import HandBack, PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.conduit_proxy import (
     PHORGE_REQUIRED_LEASES,
     ConduitProxyHandler,
@@ -176,10 +176,10 @@ def test_unknown_result_is_temporary(caplog: pytest.LogCaptureFixture) -> None:
     assert isinstance(error, TemporaryFailure)
 
 
-def test_auth_failure_yields_and_is_loud(caplog: pytest.LogCaptureFixture) -> None:
+def test_auth_failure_hands_back_and_is_loud(caplog: pytest.LogCaptureFixture) -> None:
     info = f'API token "{TOKEN}" is not valid.'
     _, _, error = run_against(conduit_error("ERR-INVALID-AUTH", info))
-    assert isinstance(error, Yield) and error.delay == 5  # not the task's failure
+    assert isinstance(error, HandBack)  # not the task's failure
     assert "ERR-INVALID-AUTH" in str(error)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors and "BRIDGE_CONDUIT_TOKEN" in errors[0].getMessage()
@@ -189,7 +189,7 @@ def test_auth_failure_yields_and_is_loud(caplog: pytest.LogCaptureFixture) -> No
 def test_non_admin_is_an_auth_failure(caplog: pytest.LogCaptureFixture) -> None:
     reply = conduit_error("ERR-BRIDGE-PERMISSION", 'The calling account ("bob") is not an admin.')
     _, _, error = run_against(reply)
-    assert isinstance(error, Yield)
+    assert isinstance(error, HandBack)
     assert any(r.levelno >= logging.ERROR for r in caplog.records)
 
 
@@ -200,7 +200,9 @@ def test_missing_extension_is_temporary_and_loud(caplog: pytest.LogCaptureFixtur
     assert "install-extension" in caplog.text
 
 
-@pytest.mark.parametrize(("status", "kind"), [(500, TemporaryFailure), (502, Yield), (503, Yield)])
+@pytest.mark.parametrize(
+    ("status", "kind"), [(500, TemporaryFailure), (502, HandBack), (503, HandBack)]
+)
 def test_5xx(status: int, kind: type) -> None:
     """A 500 is PHP failing on the task (a failure); 502/503 are the web tier (a yield)."""
     _, _, error = run_against(Reply(status, b"<html><body>Service Unavailable</body></html>"))
@@ -281,6 +283,6 @@ def test_the_loud_token_error_names_the_token_file_when_that_is_the_setting(
         conduit_error("ERR-INVALID-AUTH", "API token is not valid."),
         token_setting="BRIDGE_CONDUIT_TOKEN_FILE",
     )
-    assert isinstance(error, Yield)
+    assert isinstance(error, HandBack)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors and "operator fixes BRIDGE_CONDUIT_TOKEN_FILE " in errors[0]

@@ -102,6 +102,12 @@ def test_only_celerys_info_lines_about_a_poll_are_dropped(level, args, shown):
     assert QuietPollLines().filter(celery_line(level, "Task %(name)s[%(id)s]", args)) is shown
 
 
+@pytest.mark.parametrize(("task", "shown"), [("bridge.poll", False), ("nightly.report", True)])
+def test_beats_info_line_about_sending_a_poll_is_dropped(task, shown):
+    line = celery_line(logging.INFO, "Scheduler: Sending due task %s (%s)", ("entry", task))
+    assert QuietPollLines().filter(line) is shown
+
+
 def test_a_batch_result_names_each_outcome_and_where_the_rest_went():
     a, b, c, d, e, f = (Leased(n, 0, "Worker") for n in (1, 2, 3, 4, 5, 6))
     ran = [

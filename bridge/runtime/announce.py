@@ -1,0 +1,107 @@
+"""What each worker tells the fleet's polls: the queues it consumes, the classes it can
+run, and which of its transports are down.
+
+A poll runs in whichever worker takes ``bridge.poll``; what that process can run itself
+must not decide what the fleet leases (issue 29: a small control worker without PHP
+beside PHP workers that scale; issue 31: a worker whose PHP is broken beside healthy
+ones). Each worker's main process answers the remote-control command ``bridge_serves``
+with its :class:`Announcement`; :func:`bridge.runtime.consumers.survey` gathers them, in
+the same round as the consumers it already asked for, at most every 15 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from celery.worker.control import inspect_command
+
+from bridge.engine.context import runtime
+from bridge.handlers.registry import Coverage
+
+log = logging.getLogger(__name__)
+
+COMMAND = "bridge_serves"
+
+# Main process: transports its task processes found down, and until when (monotonic).
+_down: dict[str, float] = {}
+
+
+def note_down(transport: str, seconds: float) -> None:
+    """A task process of this worker found ``transport`` down, until its next probe."""
+    _down[transport] = max(_down.get(transport, 0.0), time.monotonic() + seconds)
+
+
+def down_transports() -> list[str]:
+    now = time.monotonic()
+    return sorted(transport for transport, until in _down.items() if until > now)
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One live worker: the task queues it consumes now (not those it stands by on),
+    what it serves, and its transports that are down (``runner``, ``proxy``)."""
+
+    node: str
+    queues: tuple[str, ...]
+    coverage: Coverage
+    down: tuple[str, ...] = ()
+
+    def runs(self, task_class: str, queue: str) -> bool:
+        """Whether this worker would run ``task_class`` if a message of it reached
+        ``queue`` now."""
+        transport = self.coverage.transport_for(task_class)
+        return queue in self.queues and transport is not None and transport not in self.down
+
+    @classmethod
+    def from_reply(cls, node: str, reply: Any) -> Announcement:
+        """Read a worker's answer; raises ValueError when it is not one."""
+        if not isinstance(reply, dict):
+            raise ValueError(f"not an announcement: {reply!r}")
+        try:
+            queues, down = tuple(reply["queues"]), tuple(reply["down"])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not an announcement: {reply!r}") from exc
+        return cls(node, queues, Coverage.from_dict(reply.get("coverage")), down)
+
+
+@inspect_command()
+def bridge_serves(state: Any, **_: Any) -> dict[str, Any]:
+    """This worker's announcement, answered by its main process."""
+    consumer = state.consumer
+    task_consumer = consumer.task_consumer
+    queues = [queue.name for queue in task_consumer.queues] if task_consumer else []
+    return {
+        "queues": queues,
+        "coverage": runtime().registry.coverage().as_dict(),
+        "down": down_transports(),
+    }
+
+
+def remote_control(app: Celery) -> bool:
+    """Whether the broker carries remote control (a fanout exchange: not kombu's
+    SQLAlchemy transport, the embedded default)."""
+    with app.connection_for_read() as connection:
+        return "fanout" in connection.transport.implements.exchange_type
+
+
+def announcements(app: Celery, timeout: float) -> dict[str, Announcement] | None:
+    """Every live worker's announcement by node, or None when the transport cannot
+    broadcast (nobody would answer). Raises kombu's OperationalError when the broker is
+    unreachable; a worker whose answer makes no sense is left out, with a warning."""
+    if not remote_control(app):
+        return None
+    replies = app.control.broadcast(COMMAND, reply=True, timeout=timeout) or []
+    found: dict[str, Announcement] = {}
+    for reply in replies:
+        for node, answer in reply.items():
+            try:
+                found[node] = Announcement.from_reply(node, answer)
+            except ValueError as exc:
+                log.warning(
+                    "worker %s answered %s oddly (another version?): %s", node, COMMAND, exc
+                )
+    return found

@@ -1,0 +1,129 @@
+"""A worker whose transport is down says so, and stops consuming a queue it can run
+nothing of, for a while (issue 31).
+
+A task process whose transport is down hands its tasks back (``bridge.engine.run``) and
+tells its own worker, through Celery's remote control (the ``bridge_standby`` command,
+addressed to its node alone), which transport is down and until when: the worker's
+announcement then says so (``bridge.runtime.announce``), so the fleet's polls stop
+leasing for it. When the process can run none of the classes queued for that Celery
+queue (:func:`bridge.engine.standby.standby_seconds`), the worker also cancels its
+consumer of the queue until the transport is due to probe again, then consumes it again
+by itself; the next message it takes probes the transport, and either runs or starts
+another standby. Other workers, meanwhile, take every message. Brokers without remote
+control (kombu's SQLAlchemy transport, the embedded default) only hand back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from celery import Celery, current_task
+from celery.worker.control import control_command
+
+from bridge.engine.context import runtime
+from bridge.engine.run import Ran, RunObserver, observe
+from bridge.engine.standby import MIN_STANDBY, standby_seconds
+from bridge.queue import Outcome
+from bridge.queue.model import Leased
+from bridge.runtime.announce import note_down, remote_control
+
+log = logging.getLogger(__name__)
+
+COMMAND = "bridge_standby"
+
+# Main process: the queues on standby and the timer entries that resume them.
+_resumes: dict[str, Any] = {}
+
+
+def standing_by() -> list[str]:
+    """Queues this worker stopped consuming on purpose (liveness counts them consumed)."""
+    return list(_resumes)
+
+
+@control_command(
+    args=[("queue", str), ("seconds", float), ("transport", str), ("stop", bool)],
+    signature="<queue> <seconds> <transport> <stop>",
+)
+def bridge_standby(
+    state: Any, queue: str, seconds: float, transport: str, stop: bool, **_: Any
+) -> dict[str, str]:
+    """``transport`` is down here for ``seconds``; with ``stop``, stop consuming ``queue``
+    that long (a later request extends it)."""
+    note_down(transport, float(seconds))
+    if stop:
+        consumer = state.consumer
+        consumer.call_soon(_stand_by, consumer, queue, float(seconds))
+    return {
+        "ok": f"{transport} down for {seconds:g} s" + (f", standing by on {queue}" if stop else "")
+    }
+
+
+def _stand_by(consumer: Any, queue: str, seconds: float) -> None:
+    entry = _resumes.pop(queue, None)
+    if entry is not None:
+        entry.cancel()
+    elif consumer.task_consumer is not None and consumer.task_consumer.consuming_from(queue):
+        log.warning(
+            "queue %s: this worker can run none of its tasks now; not consuming it for %.0f s",
+            queue,
+            seconds,
+        )
+        consumer.cancel_task_queue(queue)
+    else:
+        return  # not consumed here (an operator cancelled it): nothing to resume later
+    _resumes[queue] = consumer.timer.call_after(seconds, lambda: _resume(consumer, queue))
+
+
+def _resume(consumer: Any, queue: str) -> None:
+    _resumes.pop(queue, None)
+    queues = consumer.app.amqp.queues
+    if queue in queues:
+        queues.select_add(queues[queue])  # so a reconnection consumes it too
+    consumer.add_task_queue(queue)
+
+
+class Standby(RunObserver):
+    """Hears the hand-backs of a task process and tells its worker."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self._until: dict[tuple[str, str], float] = {}  # (transport, queue) -> report's end
+        self._lock = threading.Lock()
+        self._remote: bool | None = None
+
+    def run_ended(self, item: Leased, ran: Ran) -> None:
+        if ran.outcome is not Outcome.HANDED_BACK or item.task_class is None:
+            return
+        node = getattr(getattr(current_task, "request", None), "hostname", None)
+        if not node or not self.remote_control():
+            return
+        rt = runtime()
+        transport = rt.registry.coverage().transport_for(item.task_class)
+        handler = rt.registry.handler_for(item.task_class)
+        if transport is None or handler is None or handler.breaker is None:
+            return
+        queue = rt.settings.router.queue_for(item.task_class)
+        with self._lock:
+            if time.monotonic() < self._until.get((transport, queue), 0.0):
+                return
+            stop = standby_seconds(rt, queue)
+            seconds = stop or max(MIN_STANDBY, handler.breaker.next_probe_in())
+            self._until[transport, queue] = time.monotonic() + seconds
+        arguments = {"queue": queue, "seconds": seconds, "transport": transport, "stop": bool(stop)}
+        try:
+            self.app.control.broadcast(COMMAND, arguments=arguments, destination=[node])
+        except Exception as exc:  # the broker's trouble: the hand-back itself is done
+            log.warning("could not tell %s that %s is down: %s", node, transport, exc)
+
+    def remote_control(self) -> bool:
+        if self._remote is None:
+            self._remote = remote_control(self.app)
+        return self._remote
+
+
+def install(app: Celery) -> None:
+    """Hear this app's runs (the commands are registered by importing the modules)."""
+    observe(Standby(app))

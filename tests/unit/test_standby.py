@@ -1,0 +1,95 @@
+"""When a worker stands by on a queue, and when its polls lease for the others (SQLite)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bridge.config import load_settings
+from bridge.engine.context import Runtime, build_runtime
+from bridge.engine.poll import plan
+from bridge.engine.standby import MIN_STANDBY, standby_seconds
+from bridge.handlers.api import Handler, TaskContext
+from bridge.handlers.breaker import CircuitBreaker
+
+PHP_ONLY = "PhabricatorSearchWorker"
+NATIVE = "PhabricatorTestWorker"  # the shipped native handler
+
+
+class Transport(Handler):
+    """Stands for the PHP runner: every class no native handler claims, behind a breaker."""
+
+    def __init__(self) -> None:
+        self.breaker = CircuitBreaker(lambda: "PHP is missing", min_backoff=3, max_backoff=3)
+
+    def run(self, task: TaskContext) -> None:
+        raise AssertionError("not run here")
+
+
+def runtime(directory: Path, routes: str) -> Runtime:
+    """A runtime (its queue in ``directory``) whose default queue is ``php``, with a
+    transport to break at will."""
+    settings = load_settings(
+        {
+            "BRIDGE_DATABASE_URL": f"sqlite:///{directory}/queue.db",
+            "BRIDGE_DEFAULT_QUEUE": "php",
+            "BRIDGE_ROUTES": routes,
+        }
+    )
+    runtime = build_runtime(settings)
+    runtime.registry.fallback = Transport()
+    runtime.registry._served.clear()
+    return runtime
+
+
+@pytest.fixture
+def rt(tmp_path: Path) -> Runtime:
+    return runtime(tmp_path, f"{NATIVE}=native")  # only the native class elsewhere
+
+
+@pytest.fixture
+def one_queue(tmp_path: Path) -> Runtime:
+    """Every class on the queue ``php``."""
+    (tmp_path / "one").mkdir()
+    return runtime(tmp_path / "one", "")
+
+
+def transport(rt: Runtime) -> CircuitBreaker:
+    assert rt.registry.fallback is not None and rt.registry.fallback.breaker is not None
+    return rt.registry.fallback.breaker
+
+
+def test_a_queue_whose_classes_all_go_through_a_down_transport_is_stood_by(rt: Runtime) -> None:
+    rt.queue.enqueue(PHP_ONLY, {})
+    rt.queue.enqueue(NATIVE, {})  # routed to another queue: no reason to consume "php"
+    assert standby_seconds(rt, "php") is None, "its transport is up"
+    transport(rt).failure("PHP is missing")
+    seconds = standby_seconds(rt, "php")
+    assert seconds is not None and MIN_STANDBY <= seconds <= 3
+    assert standby_seconds(rt, "native") is None, "the native handler runs those"
+
+
+def test_a_queue_with_a_class_this_worker_can_run_is_not_stood_by(one_queue: Runtime) -> None:
+    rt = one_queue
+    rt.queue.enqueue(PHP_ONLY, {})
+    rt.queue.enqueue(NATIVE, {})
+    transport(rt).failure("PHP is missing")
+    assert standby_seconds(rt, "php") is None
+
+
+def test_a_poll_leases_for_other_workers_only_where_this_one_stands_by(
+    rt: Runtime, one_queue: Runtime
+) -> None:
+    rt.queue.enqueue(PHP_ONLY, {})
+    transport(rt).failure("PHP is missing")
+    assert plan(rt) == {}, "alone, a worker leases nothing it cannot run"
+    assert plan(rt, lambda task_class, queue: False) == {}, "nobody else runs it"
+    assert plan(rt, lambda task_class, queue: queue == "php") == {"php": [PHP_ONLY]}
+    # Sharing the queue with a class it runs, it goes by its own transport: a fleet whose
+    # transport is down everywhere must not lease what every worker hands back.
+    mixed = one_queue
+    mixed.queue.enqueue(PHP_ONLY, {})
+    mixed.queue.enqueue(NATIVE, {})
+    transport(mixed).failure("PHP is missing")
+    assert plan(mixed, lambda task_class, queue: True) == {"php": [NATIVE]}
