@@ -48,6 +48,11 @@ class Router:
                 return queue
         return self.default_queue
 
+    def routed(self, task_class: str) -> bool:
+        """Whether a rule names the class: the operator declared that the workers of its
+        queue serve it (they may all be scaled to zero now)."""
+        return any(fnmatchcase(task_class, pattern) for pattern, _ in self.rules)
+
     @property
     def queues(self) -> list[str]:
         """Every queue a task may be routed to, in rule order, the default last."""

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import case, func, select
 
 from bridge._version import __version__
+from bridge.engine.pace import MIN_COST, WINDOW, Pace
 from bridge.handlers.breaker import CircuitBreaker
 from bridge.handlers.php_runner import BREAKER_NAME as RUNNER_BREAKER
 from bridge.phorge.runner_pool import PoolListener, Restart, RunnerPool
@@ -343,8 +344,10 @@ class QueueCollector:
         *,
         fleet: Callable[[str], bool] | None = None,
     ) -> None:
-        """``fleet`` says whether another worker serves a class (a control worker without
-        PHP counts the PHP workers' rows, even while none of them runs)."""
+        """A queue's figures count the classes this process serves, those a rule of
+        ``router`` routes (their queue's workers serve them, even scaled to zero), and
+        those ``fleet`` says another worker serves (a control worker without PHP counts
+        the PHP workers' rows)."""
         self.queue, self.registry, self.router = queue, registry, router
         self.owner_prefix = owner_prefix
         self.fleet = fleet
@@ -363,6 +366,7 @@ class QueueCollector:
         rows = age_rows(self.queue, stats.server_time)
         classes = {row[0] for row in rows}
         served = set(self.registry.runnable(classes))
+        served.update(c for c in classes if self.router.routed(c))
         if self.fleet is not None:
             served.update(c for c in classes if self.fleet(c))
         figures = figures_by_queue(rows, stats.server_time, served, self.router)
@@ -371,6 +375,7 @@ class QueueCollector:
             for queue, figure in figures.items():
                 family.add_metric([queue], getattr(figure, field))
             yield family
+        yield from self.paces(served, figures)
         if is_mysql(self.queue.engine):  # SQLite runs one beat, in the worker's host
             beat = GaugeMetricFamily(
                 "phorge_bridge_beat_running",
@@ -380,6 +385,31 @@ class QueueCollector:
                 [], int(beat_lock_holder(self.queue.engine, self.owner_prefix) is not None)
             )
             yield beat
+
+    def paces(self, served: Collection[str], queues: Iterable[str]) -> Iterator[GaugeMetricFamily]:
+        """Each queue's pace (``bridge.engine.pace``, from its archived runs of the last
+        ``WINDOW`` seconds): what a scaler's "tasks per replica" needs. Slots needed to
+        drain a backlog of ``due`` tasks within ``T`` seconds: ``due / (per_slot * T)``."""
+        per_slot = GaugeMetricFamily(
+            "phorge_bridge_queue_throughput_per_slot",
+            "Tasks a second one busy worker slot of the queue completes (1 / mean run "
+            f"time, over the last {WINDOW} s; 0 without recent runs)",
+            labels=["queue"],
+        )
+        busy = GaugeMetricFamily(
+            "phorge_bridge_queue_busy_slots",
+            f"Worker slots the queue kept busy over the last {WINDOW} s (rate x mean run time)",
+            labels=["queue"],
+        )
+        by_queue: dict[str, list[str]] = {queue: [] for queue in queues}
+        for task_class in served:
+            by_queue.setdefault(self.router.queue_for(task_class), []).append(task_class)
+        for queue, classes in by_queue.items():
+            pace = Pace.of(self.queue.recent_runs(classes, WINDOW)) if classes else None
+            per_slot.add_metric([queue], 1 / max(pace.mean, MIN_COST) if pace else 0.0)
+            busy.add_metric([queue], pace.busy if pace else 0.0)
+        yield per_slot
+        yield busy
 
 
 # -- the exporter ------------------------------------------------------------------------

@@ -98,10 +98,15 @@ def judge(due: dict[str, int], consumers: dict[str, list[str]] | None) -> list[Q
     ]
 
 
-def serves(task_class: str, registry: Registry, coverages: Iterable[Coverage]) -> bool:
-    """Whether this process, or a worker of one of ``coverages``, serves ``task_class``."""
-    return registry.handler_for(task_class) is not None or any(
-        coverage.transport_for(task_class) for coverage in coverages
+def serves(
+    task_class: str, registry: Registry, settings: Settings, coverages: Iterable[Coverage]
+) -> bool:
+    """Whether this process, a worker of one of ``coverages``, or (a rule routes it) the
+    workers of its queue serve ``task_class``."""
+    return (
+        registry.handler_for(task_class) is not None
+        or settings.router.routed(task_class)
+        or any(coverage.transport_for(task_class) for coverage in coverages)
     )
 
 
@@ -114,13 +119,13 @@ def fleet_survey(
 ) -> Survey:
     """Each queue of the bridge, its due rows as of ``stats``, its consumers now, and the
     workers' announcements. Due rows count when their class is served by this process,
-    a live worker, or a worker of the ``known`` coverages (workers seen before, now
-    gone: their queue is stranded, not empty). Raises kombu's OperationalError when the
-    broker is unreachable."""
+    a live worker, a worker of the ``known`` coverages (workers seen before, now gone:
+    their queue is stranded, not empty), or a routed queue's workers. Raises kombu's
+    OperationalError when the broker is unreachable."""
     announced = announcements(app, INSPECT_TIMEOUT)
     nodes = announced or {}
     coverages = [*known, *(a.coverage for a in nodes.values())]
-    served = [c for c in stats.by_class if serves(c, registry, coverages)]
+    served = [c for c in stats.by_class if serves(c, registry, settings, coverages)]
     due = due_by_queue(stats, served, settings)
     return Survey(judge(due, consumers_by_queue(announced)), nodes)
 

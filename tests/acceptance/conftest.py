@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from bridge_harness import Bridge, clean_environ, deployments
+from prometheus_tools import Prometheus
 from sqlalchemy import Engine
 
 
@@ -52,3 +53,17 @@ def database_url(mysql_engine: Engine) -> str:
 def module_database_url(_mysql_module_engine: Engine) -> str:
     """The module's MariaDB database (not emptied between tests), as a URL."""
     return _url_of(_mysql_module_engine)
+
+
+@pytest.fixture
+def start_prometheus(tmp_path: Path) -> Iterator[Callable[[list[str]], Prometheus]]:
+    """Start a real Prometheus scraping ``targets`` (``host:port``); stopped at teardown."""
+    servers: list[Prometheus] = []
+
+    def start(targets: list[str]) -> Prometheus:
+        servers.append(Prometheus(tmp_path, targets))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -4,87 +4,10 @@ every shipped alert rule evaluates without error on what was scraped."""
 
 from __future__ import annotations
 
-import math
-import socket
-import subprocess
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
-
-import pytest
-import requests
 import yaml
-from prometheus_tools import RULES, panel_queries, prometheus_binary
+from prometheus_tools import RULES, free_port, panel_queries
 
-SCRAPE_EVERY = "2s"  # the consumers gauge asks the workers, 1 s, once in 15 s
 RATE_WINDOW = "5m"  # for Grafana's $__rate_interval: the whole test
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Prometheus:
-    """A ``prometheus`` server of the test's own, on a free port, its data in tmp."""
-
-    def __init__(self, directory: Path, targets: list[str]) -> None:
-        config = {
-            "global": {"scrape_interval": SCRAPE_EVERY, "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [
-                {"job_name": "phorge-bridge", "static_configs": [{"targets": targets}]}
-            ],
-        }
-        (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = directory / "prometheus.log"
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(
-                [
-                    prometheus_binary("prometheus"),
-                    f"--config.file={directory / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={directory / 'data'}",
-                    f"--web.listen-address={self.url.removeprefix('http://')}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def api(self, path: str, **params: str) -> Any:
-        reply = requests.get(f"{self.url}/api/v1/{path}", params=params, timeout=5).json()
-        assert reply["status"] == "success", reply
-        return reply["data"]
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """The instant vector ``expr`` gives now, without its NaN elements."""
-        result = self.api("query", query=expr)["result"]
-        return [r for r in result if not math.isnan(float(r["value"][1]))]
-
-    def ready(self) -> bool:
-        try:
-            return requests.get(f"{self.url}/-/ready", timeout=1).status_code == 200
-        except requests.ConnectionError:
-            return False
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-
-@pytest.fixture
-def start_prometheus(tmp_path: Path) -> Iterator[Callable[[list[str]], Prometheus]]:
-    servers: list[Prometheus] = []
-
-    def start(targets: list[str]) -> Prometheus:
-        servers.append(Prometheus(tmp_path, targets))
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def test_every_dashboard_query_has_data_from_every_worker(

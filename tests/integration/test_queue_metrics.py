@@ -81,3 +81,24 @@ def test_the_beat_gauge_says_whether_a_beat_sends_the_polls(mysql_engine):
     finally:
         lock.close()
     assert registry.get_sample_value("phorge_bridge_beat_running") == 0
+
+
+def test_a_queue_shows_its_pace_and_the_rows_other_workers_serve(queue):
+    """What a scaler needs: the throughput of one busy slot and the slots in use, from
+    the archive; and, on a worker without PHP, the due rows the PHP workers serve."""
+    queue.enqueue_many([NewTask(SEARCH)] * 5)  # one left due: a backlog being drained
+    for task in queue.lease(4, 60, classes=[SEARCH]):
+        assert queue.session.complete(task.lease, 500_000)  # runs of 0.5 s, just archived
+    [unserved] = queue.enqueue_many([NewTask(UNSERVED)])
+    registry = CollectorRegistry()
+    router = Router(((SEARCH, "search"),), "phorge")
+    collector = QueueCollector(queue, Registry([Noop()]), router, fleet=lambda c: c == UNSERVED)
+    registry.register(collector)
+
+    def value(name: str, queue_name: str) -> float | None:
+        return registry.get_sample_value(name, {"queue": queue_name})
+
+    assert value("phorge_bridge_queue_throughput_per_slot", "search") == 2.0
+    assert 1.0 <= value("phorge_bridge_queue_busy_slots", "search") <= 2.0  # 4 runs in 1-2 s
+    assert value("phorge_bridge_queue_throughput_per_slot", "phorge") == 0  # no recent runs
+    assert value("phorge_bridge_queue_due_tasks", "phorge") == 1, f"#{unserved} not counted"
