@@ -3,8 +3,8 @@
 The public API is importable from here: what a handler author needs (``Handler``,
 ``@handler``, ``TaskContext`` and the outcome exceptions), the queue's records
 (``NewTask``, ``Task``, ``TaskFilter``, ``Outcome``), and every error the bridge raises
-on purpose, all under ``BridgeError``. The testing helper is
-``bridge.handlers.testing.run``; the queue itself is ``bridge.queue.PhorgeQueue``.
+on purpose, all under ``BridgeError``, all defined in ``bridge.errors``. The testing
+helper is ``bridge.handlers.testing.run``; the queue itself is ``bridge.queue.PhorgeQueue``.
 Importing this package loads neither Celery nor a database driver (``celery -A bridge``
 finds the app in ``bridge.celery``).
 """
@@ -13,31 +13,46 @@ from bridge._version import __version__
 from bridge.errors import (
     BatchNotDone,
     BridgeError,
+    ConduitAuthError,
+    ConduitError,
+    ConduitMethodNotFoundError,
+    ConduitTimeoutError,
+    ConduitTransportError,
     ConfigError,
+    DatabaseUnavailable,
     DuplicateHandlerError,
+    HandBack,
     LeaseLost,
     OutcomeUnreported,
+    PermanentFailure,
+    PhorgeRootError,
+    RunnerBootError,
+    RunnerDied,
+    RunnerTimedOut,
     TaskFailed,
     TaskFailedPermanently,
     TaskNotDone,
     TaskNotServed,
-)
-from bridge.handlers.api import (
-    Handler,
-    PermanentFailure,
-    TaskContext,
     TemporaryFailure,
+    WritesRefused,
     Yield,
-    handler,
 )
+from bridge.handlers.api import Handler, TaskContext, handler
 from bridge.handlers.outcome import HandlerResult
 from bridge.queue.model import NewTask, Outcome, Task, TaskFilter
 
 __all__ = [
     "BatchNotDone",
     "BridgeError",
+    "ConduitAuthError",
+    "ConduitError",
+    "ConduitMethodNotFoundError",
+    "ConduitTimeoutError",
+    "ConduitTransportError",
     "ConfigError",
+    "DatabaseUnavailable",
     "DuplicateHandlerError",
+    "HandBack",
     "Handler",
     "HandlerResult",
     "LeaseLost",
@@ -45,6 +60,10 @@ __all__ = [
     "Outcome",
     "OutcomeUnreported",
     "PermanentFailure",
+    "PhorgeRootError",
+    "RunnerBootError",
+    "RunnerDied",
+    "RunnerTimedOut",
     "Task",
     "TaskContext",
     "TaskFailed",
@@ -53,6 +72,7 @@ __all__ = [
     "TaskNotDone",
     "TaskNotServed",
     "TemporaryFailure",
+    "WritesRefused",
     "Yield",
     "__version__",
     "handler",

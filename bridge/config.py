@@ -10,6 +10,7 @@ the only module that reads ``BRIDGE_*`` variables.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -38,6 +39,7 @@ __all__ = [
 T = TypeVar("T")
 
 DATABASE_SCHEMES = ("mysql", "mysql+mysqldb", "mariadb", "mariadb+mysqldb", "sqlite")
+MYSQL_INSTALL = "pip install 'phorge-bridge[mysql]'"
 BROKER_SCHEMES = ("amqp", "pyamqp", "amqps", "redis", "rediss", "sqla+sqlite")
 # Leases a queue holds at once: enough buffer that workers never wait for the next poll
 # (measured: 200 starved four busy children), small enough that a backlog of slow tasks
@@ -154,6 +156,26 @@ def _url(schemes: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def _database_url(raw: str) -> str:
+    url = _url(DATABASE_SCHEMES)(raw)
+    if not url.startswith("sqlite"):
+        _require_mysql_driver()
+    return url
+
+
+def _require_mysql_driver() -> None:
+    """Every MySQL scheme accepted uses mysqlclient, an extra since it needs a compiler:
+    without it, the process stops at start, not at its first connection."""
+    try:
+        importlib.import_module("MySQLdb")
+    except ImportError as exc:
+        if exc.name == "MySQLdb":
+            problem = f"the MySQL driver is not installed: {MYSQL_INSTALL}"
+        else:  # installed, but it does not load (libmariadb's shared library gone, ...)
+            problem = f"the MySQL driver (mysqlclient) does not load: {exc}"
+        raise ValueError(problem) from None
+
+
 def _globs(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
@@ -210,9 +232,10 @@ class Settings:
     database_url: str = setting(
         "BRIDGE_DATABASE_URL",
         "sqlite:///phorge-bridge.db",
-        _url(DATABASE_SCHEMES),
+        _database_url,
         "Phorge's worker database (SQLAlchemy URL), e.g. "
-        "`mysql+mysqldb://user:pass@127.0.0.1/phabricator_worker`",
+        "`mysql+mysqldb://user:pass@127.0.0.1/phabricator_worker` (MySQL needs "
+        f"`{MYSQL_INSTALL}`)",
     )
     broker_url: str = setting(
         "BRIDGE_BROKER_URL",

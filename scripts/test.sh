@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 services=scripts/services.sh
 python=${PYTHON:-python3}
 
-# System packages first: mysqlclient builds against libmariadb-dev.
+# System packages first: mysqlclient (the `mysql` extra, which `test` pulls in) builds
+# against libmariadb-dev.
 bash $services install
 PIP_ROOT_USER_ACTION=ignore $python -m pip install -q -e '.[test]'
 

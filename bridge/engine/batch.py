@@ -18,10 +18,10 @@ from bridge.engine.context import Runtime
 from bridge.engine.metrics import UNWRITTEN, outcome_counter
 from bridge.engine.run import Done, Ran, Ready, execute, observers, prepare, retry_wait
 from bridge.engine.tracing import TaskTrace, traced
+from bridge.errors import DatabaseUnavailable, WritesRefused
 from bridge.handlers.api import Handler
 from bridge.queue import Lease, Outcome, Task
 from bridge.queue.model import Leased
-from bridge.queue.retry import DatabaseUnavailable, WritesRefused
 from bridge.queue.session import (
     Write,
     handed_back,

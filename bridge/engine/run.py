@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from bridge.engine.context import Runtime
 from bridge.engine.metrics import RENEWALS, run_timers
 from bridge.handlers.api import Handler, TaskContext
-from bridge.handlers.outcome import HandlerResult, policy, run_handler, run_handlers
+from bridge.handlers.outcome import HandlerResult, clear, run_handler, run_handlers
 from bridge.queue import Lease, Outcome, Task
 from bridge.queue.model import Leased
 
@@ -149,15 +149,11 @@ def prepare(
         failed = HandlerResult(Outcome.PERMANENT_FAILURE, reason=task.data_error)
         return Done(lease, failed, time.monotonic() + remaining)
     ctx = context(task, lease, traceparent)
-    limit = policy(handler.maximum_retry_count, ctx)
-    if limit is not None and task.failure_count > limit:
-        reason = f"{task.label} has exceeded the maximum number of failures ({limit})"
-        failed = HandlerResult(Outcome.PERMANENT_FAILURE, reason=reason)
-        return Done(lease, failed, time.monotonic() + remaining)
-
-    # As PHP's setLeaseDuration(): a declared lease is set, shorter or longer.
-    required = policy(handler.required_lease, ctx)
-    if required is not None:
+    cleared = clear(handler, ctx)
+    if isinstance(cleared, HandlerResult):
+        return Done(lease, cleared, time.monotonic() + remaining)
+    required = cleared.required_lease
+    if required is not None:  # as PHP's setLeaseDuration(): set, shorter or longer
         claimed = rt.queue.session.renew(lease, required)
         RENEWALS.labels(result="renewed" if claimed else "lost").inc()
         if not claimed:
@@ -191,15 +187,3 @@ def execute(rt: Runtime, group: Sequence[Ready]) -> list[Ran | Done]:
         else:
             ended.append(Done(ready.lease, result, watch.expires, ready.ctx))
     return ended
-
-
-def attempt(
-    rt: Runtime,
-    lease: Lease,
-    task: Task | None,
-    traceparent: str | None = None,
-) -> Ran | Done:
-    """Run a task its check found (``task``, None when the lease no longer held); returns
-    how the run ended, final (``Ran``) or with an outcome to write (``Done``)."""
-    ready = prepare(rt, lease, task, traceparent)
-    return execute(rt, [ready])[0] if isinstance(ready, Ready) else ready

@@ -16,7 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-from bridge.errors import BridgeError
+# The outcome exceptions live with every other error; handlers import them from here.
+from bridge.errors import HandBack as HandBack
+from bridge.errors import PermanentFailure as PermanentFailure
+from bridge.errors import TemporaryFailure as TemporaryFailure
+from bridge.errors import Yield as Yield
 from bridge.handlers.breaker import CircuitBreaker
 from bridge.queue.model import NewTask
 
@@ -96,33 +100,6 @@ def report_measured_duration(task: TaskContext, duration_us: int) -> None:
 
 def measured_duration(task: TaskContext) -> int | None:
     return task._measured_us[0] if task._measured_us else None
-
-
-class Yield(BridgeError):
-    """Give the task back for ``delay`` seconds (at least 5) without counting a failure.
-
-    Every handler exception takes the message first and ``delay`` by keyword."""
-
-    def __init__(self, message: str = "", *, delay: int) -> None:
-        super().__init__(message or f"yielded for {delay}s")
-        self.delay = int(delay)
-
-
-class HandBack(BridgeError):
-    """The task did not run here (this worker's transport for it is down): give its lease
-    back at once, no failure counted, for another worker to run it now."""
-
-
-class PermanentFailure(BridgeError):
-    """Archive the task with result 1 (failure); it is never retried."""
-
-
-class TemporaryFailure(BridgeError):
-    """Retry the task later; ``delay`` (seconds) overrides the handler's wait before retry."""
-
-    def __init__(self, message: str = "", *, delay: int | None = None) -> None:
-        super().__init__(message)
-        self.delay = None if delay is None else int(delay)
 
 
 class Handler(ABC):

@@ -1,8 +1,8 @@
-"""How one run of a handler ended, in the queue's vocabulary.
+"""Whether a handler's run may start, and how it ended, in the queue's vocabulary.
 
-The runtime and the testing helper both classify a run here, so a handler tested with
-``bridge.handlers.testing`` ends exactly as it would under Celery. Nothing is written
-and no metric is recorded: that is the runtime's part.
+The runtime and the testing helper both clear a run and classify it here, so a handler
+tested with ``bridge.handlers.testing`` ends exactly as it would under Celery. Nothing
+is written and no metric is recorded: that is the runtime's part.
 """
 
 from __future__ import annotations
@@ -13,16 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.handlers.api import (
-    HandBack,
-    Handler,
-    PermanentFailure,
-    TaskContext,
-    TemporaryFailure,
-    Yield,
-    measured_duration,
-)
-from bridge.queue.model import DEFAULT_RETRY_WAIT, NewTask, Outcome
+from bridge.errors import HandBack, PermanentFailure, TemporaryFailure, Yield
+from bridge.handlers.api import Handler, TaskContext, measured_duration
+from bridge.queue.model import DEFAULT_RETRY_WAIT, MIN_YIELD_SECONDS, NewTask, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +24,16 @@ log = logging.getLogger(__name__)
 class HandlerResult:
     """One run's outcome and what the queue needs to record it.
 
-    ``delay``: for YIELD the seconds asked; for FAILURE the wait the handler declared
-    (the exception's, else ``wait_before_retry``, else Phorge's 300 s for a handler with
-    ``phorge_defaults``), None meaning the runtime's backoff. Either may be negative, as
-    in Phorge. ``duration_us`` is the run time the archive keeps: measured here, or
-    where the work ran (PHP, for the Conduit proxy). ``error``: what a failed run
-    raised, whose traceback the Celery state carries (Flower shows the handler's stack).
+    ``delay``: for YIELD the seconds the task is held back (those asked, at least
+    Phorge's 5); for FAILURE the wait the handler declared (the exception's, else
+    ``wait_before_retry``, else Phorge's 300 s for a handler with ``phorge_defaults``),
+    None meaning the runtime's backoff, and negative ones kept, as in Phorge.
+    ``duration_us`` is the run time the archive keeps: measured here, or where the work
+    ran (PHP, for the Conduit proxy). ``error``: what a failed run raised, whose
+    traceback the Celery state carries (Flower shows the handler's stack).
+    ``required_lease``: the lease the handler required for the run (:func:`clear`),
+    which a worker claims before it; the testing helper, with no lease to claim,
+    reports it here.
     """
 
     outcome: Outcome
@@ -45,6 +42,7 @@ class HandlerResult:
     duration_us: int = 0
     followups: tuple[NewTask, ...] = ()
     error: Exception | None = field(default=None, compare=False, repr=False)
+    required_lease: int | None = None
 
 
 def policy(
@@ -68,6 +66,26 @@ def policy(
         name = getattr(hook, "__name__", "policy")
         log.warning("%s#%d: %s: %s; using the default", ctx.task_class, ctx.id, name, exc)
         return None
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """A task cleared to run, and the seconds of lease its handler requires (None: the
+    lease it holds will do)."""
+
+    required_lease: int | None
+
+
+def clear(handler: Handler, ctx: TaskContext) -> Cleared | HandlerResult:
+    """Phorge's rules before a run (``executeTask``): a task that has failed more often
+    than the handler's maximum retry count fails permanently, unrun; else it may run,
+    under the lease the handler requires (set shorter or longer, as ``setLeaseDuration``
+    sets it)."""
+    limit = policy(handler.maximum_retry_count, ctx)
+    if limit is not None and ctx.failure_count > limit:
+        reason = f"{ctx.task_class}#{ctx.id} has exceeded the maximum number of failures ({limit})"
+        return HandlerResult(Outcome.PERMANENT_FAILURE, reason=reason)
+    return Cleared(policy(handler.required_lease, ctx))
 
 
 def _reason(exc: BaseException) -> str:
@@ -105,7 +123,8 @@ def classify(
     if ended is None:
         outcome = Outcome.SUCCESS
     elif isinstance(ended, Yield):
-        outcome, delay, reason = Outcome.YIELD, ended.delay, ""
+        # As executeTask's max($ex->getDuration(), 5): the wait reported is the one written.
+        outcome, delay, reason = Outcome.YIELD, max(ended.delay, MIN_YIELD_SECONDS), ""
     elif isinstance(ended, HandBack):
         outcome = Outcome.HANDED_BACK
     elif isinstance(ended, PermanentFailure):

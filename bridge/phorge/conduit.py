@@ -24,7 +24,11 @@ from urllib.parse import urlsplit
 
 import requests
 
-from bridge.errors import BridgeError
+from bridge.errors import ConduitAuthError as ConduitAuthError
+from bridge.errors import ConduitError as ConduitError
+from bridge.errors import ConduitMethodNotFoundError as ConduitMethodNotFoundError
+from bridge.errors import ConduitTimeoutError as ConduitTimeoutError
+from bridge.errors import ConduitTransportError as ConduitTransportError
 
 logger = logging.getLogger(__name__)
 
@@ -46,50 +50,6 @@ _METHOD_RE = re.compile(r"\A[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)+\Z")
 _JSON_SHIELD = b"for (;;);"
 _EXCERPT_CHARS = 240
 _REDACTED = "[token redacted]"
-
-
-class ConduitError(BridgeError):
-    """Conduit call failed; ``error_code``/``error_info`` are Phorge's, when it answered."""
-
-    def __init__(
-        self,
-        method: str,
-        message: str,
-        *,
-        error_code: str | None = None,
-        error_info: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.method = method
-        self.error_code = error_code
-        self.error_info = error_info
-
-
-class ConduitAuthError(ConduitError):
-    """Phorge refused the caller (bad, expired or unprivileged token): an operator must act."""
-
-
-class ConduitMethodNotFoundError(ConduitError):
-    """The method is not installed on that Phorge (e.g. the bridge extension is missing)."""
-
-
-class ConduitTransportError(ConduitError):
-    """No usable Conduit answer: network error, timeout, redirect, 5xx or a non-JSON body."""
-
-    def __init__(self, method: str, message: str, *, http_status: int | None = None) -> None:
-        super().__init__(method, message)
-        self.http_status = http_status
-
-
-class ConduitTimeoutError(ConduitTransportError):
-    """Connecting or waiting for the answer took longer than the configured timeout.
-
-    ``sent``: the request reached Phorge (a read timeout), so PHP may still be running it.
-    """
-
-    def __init__(self, method: str, message: str, *, sent: bool) -> None:
-        super().__init__(method, message)
-        self.sent = sent
 
 
 def _parse_timeout(name: str, value: float | str) -> float:

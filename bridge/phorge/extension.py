@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 from bridge.errors import BridgeError
+from bridge.errors import PhorgeRootError as PhorgeRootError
 
 EXTENSION_FILENAME = "PhorgeBridgeConduitAPIMethods.php"
 TASK_RUN_FILENAME = "PhorgeBridgeTaskRun.php"
@@ -26,10 +27,6 @@ TASK_RUN_FILENAME = "PhorgeBridgeTaskRun.php"
 EXTENSION_FILES = (EXTENSION_FILENAME, TASK_RUN_FILENAME)
 EXTENSIONS_DIR = Path("src") / "extensions"
 VERSION_METHOD = "worker.version"
-
-
-class PhorgeRootError(BridgeError, ValueError):
-    """The given directory is not a Phorge checkout."""
 
 
 class ExtensionState(enum.Enum):

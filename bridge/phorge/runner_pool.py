@@ -21,13 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge.phorge.runner_process import (
-    RunnerBootError,
-    RunnerCommand,
-    RunnerDied,
-    RunnerProcess,
-    RunnerTimedOut,
-)
+from bridge.errors import RunnerBootError, RunnerDied, RunnerTimedOut
+from bridge.phorge.runner_process import RunnerCommand, RunnerProcess
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +100,6 @@ class RunnerPool:
         with self.checkout():
             pass
 
-    def live(self) -> int:
-        """Processes booted and not retired (idle or running a task)."""
-        with self._lock:
-            return len(self._idle) + len(self._running)
-
     @contextmanager
     def checkout(self) -> Iterator[RunnerProcess]:
         """A process for one task: an idle one, else a new one (booted in this thread).
@@ -141,17 +131,6 @@ class RunnerPool:
                 self._idle.append(process)
                 return
         self._end(process, None)
-
-    def recycle(self) -> int:
-        """Retire every idle process now (they are booted again for the next tasks, with
-        the code on disk then); running ones retire when their task ends, if the reload
-        stamp says so. Returns how many were retired."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for process in idle:
-            self._end(process, Restart.RELOAD)
-        self._replenish()
-        return len(idle)
 
     def close(self) -> None:
         """Stop the idle processes (worker shutdown); a running one ends with its pipe."""

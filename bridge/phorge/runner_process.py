@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bridge.errors import BridgeError
+from bridge.errors import RunnerBootError as RunnerBootError
+from bridge.errors import RunnerDied as RunnerDied
+from bridge.errors import RunnerTimedOut as RunnerTimedOut
 from bridge.phorge.extension import shipped_file
 
 log = logging.getLogger(__name__)
@@ -35,20 +37,6 @@ RUNNER_FILENAME = "phorge-bridge-runner.php"
 HEADER = struct.Struct(">I")
 OUTPUT_LINES_KEPT = 20
 STOP_GRACE = 2.0  # seconds a process gets to exit at the end of its pipe
-
-
-class RunnerBootError(BridgeError):
-    """The runner could not bootstrap Phorge (wrong path, database down, PHP missing):
-    no task's fault."""
-
-
-class RunnerDied(BridgeError):
-    """The process ended during a request (a fatal error, ``exit()``, a signal); the
-    message says which, in PHP's words."""
-
-
-class RunnerTimedOut(RunnerDied):
-    """The request ran past its deadline, and the process was killed."""
 
 
 @dataclass(frozen=True)

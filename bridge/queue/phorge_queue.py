@@ -305,10 +305,6 @@ class PhorgeQueue:
         rows = conn.execute(sql.select_expired(limit, where)).all()
         return conn.execute(sql.take_expired(rows, owner, seconds)).rowcount if rows else 0
 
-    def held(self, task_id: int, owner: str, *, failure_count: int | None = None) -> Task | None:
-        """The task if ``owner`` still holds its lease right now (a read, no write)."""
-        return self.session.held(Lease(task_id, owner, failure_count))
-
     def held_by_class(
         self, owner_prefix: str, classes: Sequence[str] | None = None
     ) -> dict[str, Held]:

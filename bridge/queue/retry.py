@@ -17,7 +17,8 @@ from typing import TypeVar
 
 from sqlalchemy.exc import DBAPIError
 
-from bridge.errors import BridgeError
+from bridge.errors import DatabaseUnavailable as DatabaseUnavailable
+from bridge.errors import WritesRefused as WritesRefused
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,15 +34,6 @@ _FATE_UNKNOWN_MYSQL_CODES = frozenset({2006, 2013, 2055})
 # MariaDB's read-only mode; 1874: InnoDB read-only), or out of room (1114: the table is
 # full; 1021: the disk is). Retrying at once would only repeat the refusal.
 _REFUSED_WRITE_MYSQL_CODES = frozenset({1290, 1792, 1836, 1874, 1114, 1021})
-
-
-class DatabaseUnavailable(BridgeError):
-    """The database kept failing through every attempt."""
-
-
-class WritesRefused(DatabaseUnavailable):
-    """The database answers but refuses writes (read-only, or full): nothing was written,
-    and nothing will be until an operator or a failover ends it."""
 
 
 def _mysql_code(exc: BaseException) -> int | None:

@@ -1,4 +1,6 @@
-"""The README's first command: the embedded run, end to end, with nothing set up."""
+"""The README's first command: the embedded run, end to end, with nothing set up, not
+even the MySQL driver (the `mysql` extra): a ``MySQLdb`` first on the path fails as an
+absent one does, in the demo and in the worker it starts."""
 
 from __future__ import annotations
 
@@ -9,6 +11,10 @@ import sys
 
 def test_the_demo_runs_every_sample_to_its_outcome(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("BRIDGE_")}
+    hidden = tmp_path / "no-mysqlclient"
+    hidden.mkdir()
+    (hidden / "MySQLdb.py").write_text("raise ModuleNotFoundError(name='MySQLdb')\n")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hidden), env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-m", "bridge.cli", "demo", "--dir", str(tmp_path), "--timeout", "90"],
         env=env,

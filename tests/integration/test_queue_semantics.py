@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import event, func, insert, select, update
 
 from bridge.config import MAX_OWNER_PREFIX
-from bridge.queue import OperatorActions, PhorgeQueue, make_engine
+from bridge.queue import Lease, OperatorActions, PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
 from bridge.queue.model import (
     MAX_UINT32,
@@ -330,11 +330,11 @@ def test_a_stale_owner_changes_nothing(q, outcome, released):
 
 def test_held_and_free_own_touch_only_the_callers_live_leases(q):
     mine, theirs = leased_task(q), leased_task(q)
-    assert q.held(mine.id, mine.lease_owner).id == mine.id
-    assert q.held(theirs.id, mine.lease_owner) is None
+    assert q.session.held(mine.lease).id == mine.id
+    assert q.session.held(Lease(theirs.id, mine.lease_owner, theirs.failure_count)) is None
     assert q.free_own([mine.id, theirs.id], mine.lease_owner) == 1
     assert active_row(q, theirs.id).leaseOwner == theirs.lease_owner
-    assert q.held(mine.id, mine.lease_owner) is None
+    assert q.session.held(mine.lease) is None
     expect_next_lease(q, mine.id)  # handed back, due at once
 
 

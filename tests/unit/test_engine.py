@@ -3,18 +3,29 @@ settings it is given, observable through its public hook."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import pytest
+from sqlalchemy import select
+
+import bridge.engine
+from bridge import Yield, handler
 from bridge.config import load_settings
-from bridge.engine.batch import run_task
-from bridge.engine.context import build_runtime
+from bridge.engine import batch, context, poll, run
+from bridge.engine.batch import Batch, run_task
+from bridge.engine.context import Runtime, build_runtime
 from bridge.engine.run import Ran, RunObserver, observe
-from bridge.queue import Lease, Outcome
+from bridge.handlers.api import TaskContext
+from bridge.handlers.registry import Registry
+from bridge.queue import Lease, Outcome, PhorgeQueue
 from bridge.queue.model import Leased
+from bridge.queue.schema import worker_activetask as active
 
 HOSTILE = {
     "BRIDGE_POLL_INTERVAL": "abc",
@@ -80,3 +91,46 @@ def test_an_observer_hears_each_run_start_and_end(tmp_path: Path):
     [task] = rt.queue.lease(1, 60, ids=[again])
     run_task(rt, task.lease)
     assert len(recorder.events) == 4, "a removed observer hears nothing"
+
+
+def test_the_engines_seams_are_importable_from_it():
+    """The names docs/architecture.md gives for running tasks without Celery."""
+    from bridge.engine import Batch, RunObserver, build_runtime, observe, poll_once, run_task
+
+    assert (Batch, run_task, RunObserver, observe) == (
+        batch.Batch,
+        batch.run_task,
+        run.RunObserver,
+        run.observe,
+    )
+    assert (build_runtime, poll_once) == (context.build_runtime, poll.poll_once)
+    assert sorted(bridge.engine.__all__) == sorted(
+        ["Batch", "RunObserver", "build_runtime", "observe", "poll_once", "run_task"]
+    )
+
+
+@handler("ShortYield")
+def yield_a_second(task: TaskContext) -> None:
+    raise Yield(delay=1)
+
+
+def test_a_short_yield_reports_the_5_s_it_is_held_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """The log line, Flower's result (that line) and the row agree: Phorge's floor."""
+    settings = load_settings({"BRIDGE_DATABASE_URL": f"sqlite:///{tmp_path}/q.db"})
+    queue = PhorgeQueue.from_url(settings.database_url)
+    queue.create_tables()
+    rt = Runtime(settings, queue, Registry([yield_a_second]))
+    task_id = queue.enqueue("ShortYield", {})
+    [task] = queue.lease(1, 60)
+    ran_by = Batch(rt, task.lease_owner or "", None)
+    with caplog.at_level(logging.INFO, logger="bridge.engine.batch"):
+        ran_by.run([Leased(task_id, task.failure_count, "ShortYield")])
+    [(_, ran, line)] = ran_by.ran
+    assert (ran.outcome, ran.wait) == (Outcome.YIELD, 5)
+    assert line == f"ShortYield#{task_id}: yield (due again in 5 s)"
+    assert line in caplog.messages
+    with queue.engine.connect() as conn:
+        expires = conn.execute(select(active.c.leaseExpires).where(active.c.id == task_id))
+        assert int(expires.scalar_one() - time.time()) in (5, 4)

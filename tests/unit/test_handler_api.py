@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from sqlalchemy import select, update
 
 from bridge import (
     BridgeError,
@@ -18,13 +22,17 @@ from bridge import (
     handler,
 )
 from bridge.config import load_settings
+from bridge.engine import run_task
+from bridge.engine.context import Runtime
 from bridge.errors import DuplicateHandlerError
 from bridge.handlers.api import stored_data
 from bridge.handlers.outcome import policy, run_handler
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry, build_registry, instantiate
 from bridge.handlers.testing import run
+from bridge.queue import PhorgeQueue
 from bridge.queue.model import PRIORITY_DEFAULT
+from bridge.queue.schema import worker_activetask as active
 
 TOKEN = "api-" + "a" * 28
 
@@ -253,3 +261,94 @@ def test_a_handler_standing_in_for_a_phorge_class_keeps_phorges_flat_wait():
 def test_negative_waits_pass_through_as_phorge_applies_them():
     data = {"doWork": "fail-temporary", "getWaitBeforeRetry": -60}
     assert run(PhabricatorTestWorker(), data).delay == -60
+
+
+# -- the helper ends a run as a worker does ------------------------------------------------------
+
+
+class Policied(Handler):
+    """A handler with a retry limit and a required lease, ending as ``end`` says; it
+    counts its runs and calls ``during`` in each."""
+
+    task_classes = ("Policied",)
+
+    def __init__(
+        self, limit: int | None = None, lease: object = None, end: Exception | None = None
+    ) -> None:
+        self.limit, self.lease, self.end = limit, lease, end
+        self.runs = 0
+        self.during: Callable[[TaskContext], None] = lambda task: None
+
+    def maximum_retry_count(self, task: TaskContext) -> int | None:
+        return self.limit
+
+    def required_lease(self, task: TaskContext) -> int | None:
+        return self.lease  # type: ignore[return-value]
+
+    def run(self, task: TaskContext) -> None:
+        self.runs += 1
+        self.during(task)
+        if self.end is not None:
+            raise self.end
+
+
+def worker_with(tmp_path: Path, handler: Handler) -> Runtime:
+    """A worker's runtime on SQLite that serves ``handler`` alone."""
+    settings = load_settings({"BRIDGE_DATABASE_URL": f"sqlite:///{tmp_path}/q.db"})
+    queue = PhorgeQueue.from_url(settings.database_url)
+    queue.create_tables()
+    return Runtime(settings, queue, Registry([handler]))
+
+
+def lease_left(rt: Runtime, task_id: int) -> int:
+    with rt.queue.engine.connect() as conn:
+        expires = conn.execute(select(active.c.leaseExpires).where(active.c.id == task_id))
+        return int(expires.scalar_one() - time.time())
+
+
+@pytest.mark.parametrize(
+    ("make", "failure_count", "outcome", "delay"),
+    [
+        (lambda: Policied(limit=5), 6, Outcome.PERMANENT_FAILURE, None),
+        (lambda: Policied(limit=5), 5, Outcome.SUCCESS, None),
+        (lambda: Policied(end=Yield(delay=1)), 0, Outcome.YIELD, 5),
+        (lambda: Policied(end=Yield(delay=-60)), 0, Outcome.YIELD, 5),
+        (lambda: Policied(end=Yield(delay=30)), 0, Outcome.YIELD, 30),
+        (lambda: Policied(end=TemporaryFailure("down", delay=90)), 2, Outcome.FAILURE, 90),
+        (lambda: Policied(end=PermanentFailure("bad data")), 0, Outcome.PERMANENT_FAILURE, None),
+    ],
+    ids=["past-the-limit", "at-the-limit", "short-yield", "negative-yield", "yield", "fail", "bad"],
+)
+def test_the_helper_ends_a_run_as_a_worker_does(
+    tmp_path: Path, make, failure_count: int, outcome: Outcome, delay: int | None
+):
+    tested, worked = make(), make()
+    rt = worker_with(tmp_path, worked)
+    task_id = rt.queue.enqueue("Policied", {})
+    with rt.queue.engine.begin() as conn:
+        conn.execute(update(active).values(failureCount=failure_count))
+    [task] = rt.queue.lease(1, 60)
+    ran = run_task(rt, task.lease)
+    result = run(tested, {}, failure_count=failure_count, task_id=task_id)
+    assert (result.outcome, result.delay) == (outcome, delay)
+    assert (ran.outcome, ran.wait, ran.reason) == (result.outcome, result.delay, result.reason)
+    if failure_count > 5:  # refused its run, in both
+        assert "has exceeded the maximum number of failures (5)" in result.reason
+    assert tested.runs == worked.runs == (0 if failure_count > 5 else 1)
+
+
+@pytest.mark.parametrize(("asked", "required"), [(120, 120), (5, 5), (-1, None), (None, None)])
+def test_the_helper_reports_the_lease_a_worker_claims_before_the_run(
+    tmp_path: Path, asked: object, required: int | None
+):
+    worked = Policied(lease=asked)
+    rt = worker_with(tmp_path, worked)
+    claimed: list[int] = []
+    worked.during = lambda task: claimed.append(lease_left(rt, task.id))
+    rt.queue.enqueue("Policied", {})
+    [task] = rt.queue.lease(1, 60)
+    assert run_task(rt, task.lease).outcome is Outcome.SUCCESS
+    assert claimed[0] in ((required, required - 1) if required else (60, 59))
+    assert run(Policied(lease=asked), {}).required_lease == required
+    refused = run(Policied(limit=0, lease=asked), {}, failure_count=1)
+    assert (refused.outcome, refused.required_lease) == (Outcome.PERMANENT_FAILURE, None)
