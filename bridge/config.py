@@ -1,7 +1,7 @@
 """Settings: every ``BRIDGE_*`` environment variable, declared once as a field of ``Settings``.
 
 Each field names its variable, default, parser and explanation; ``load_settings``, the
-``phorge-bridge settings`` command and the README's table are all made from them. A bad
+``phorge-bridge settings`` command and docs/settings.md's table are all made from them. A bad
 value stops the process at start with a :class:`ConfigError` naming the variable; an
 unknown ``BRIDGE_`` name is refused too, since a typo would otherwise be ignored. This is
 the only module that reads ``BRIDGE_*`` variables.
@@ -532,13 +532,13 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     known = {s.name for s in SETTINGS}
     unknown = sorted(name for name in env if name.startswith("BRIDGE_") and name not in known)
     if unknown:
-        raise ConfigError(unknown[0], "unknown setting; see the README's settings table")
+        raise ConfigError(unknown[0], "unknown setting; see docs/settings.md")
     values = {f.name: f.metadata["setting"].read(env) for f in fields(Settings) if f.init}
     return Settings(**values)
 
 
 def explain() -> str:
-    """The settings table (name, default, meaning) in Markdown, as the README shows it."""
+    """The settings table (name, default, meaning) in Markdown, as docs/settings.md shows it."""
     rows = ["| setting | default | meaning |", "|---|---|---|"]
     rows += [
         f"| `{s.name}` | {f'`{s.default}`' if s.default else '(none)'} | {s.help} |"

@@ -91,7 +91,9 @@ def settings_in_force() -> dict[str, dict[str, Any]]:
 
 
 @main.command("settings")
-@click.option("--table", is_flag=True, help="Print the README's table of settings instead.")
+@click.option(
+    "--table", is_flag=True, help="Print the table of settings (docs/settings.md) instead."
+)
 @click.option(
     "--json", "as_json", is_flag=True, help='One JSON object: {NAME: {"value", "default"}}.'
 )

@@ -19,7 +19,7 @@ from typing import Any
 CELERY_APP = "bridge"  # celery -A bridge
 POLL_TASK = "bridge.poll"
 RUN_RECORD = "bridge.run"  # one Phorge task's run, recorded through observe_runs
-DEFAULT_POLL_INTERVAL = "0.25"  # BRIDGE_POLL_INTERVAL's default (README, "Settings")
+DEFAULT_POLL_INTERVAL = "0.25"  # BRIDGE_POLL_INTERVAL's default (docs/settings.md)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a real prefork worker started as the README says (no
+"""Prometheus metrics of a real prefork worker started as docs/operations.md says (no
 PROMETHEUS_MULTIPROC_DIR): outcomes summed over children, poll and queue gauges."""
 
 from __future__ import annotations

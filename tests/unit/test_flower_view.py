@@ -45,15 +45,14 @@ def test_the_shipped_config_shows_which_phorge_tasks_a_row_carried(flower_option
     assert options.max_tasks == 50_000
 
 
-def test_compose_and_the_readme_start_flower_with_the_shipped_config():
+def test_compose_and_the_operations_guide_start_flower_with_the_shipped_config():
     flower = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())["services"][
         "flower"
     ]
     [conf] = [arg.split("=", 1)[1] for arg in shlex.split(flower["command"]) if "--conf=" in arg]
     assert f"./{CONFIG.name}:{conf}:ro" in flower["volumes"]
-    assert (
-        "celery -A bridge flower --conf=compose/flowerconfig.py" in (ROOT / "README.md").read_text()
-    )
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    assert "celery -A bridge flower --conf=compose/flowerconfig.py" in guide
 
 
 def test_a_task_is_searched_by_the_exact_pair_its_message_shows():
