@@ -26,6 +26,9 @@ accept_content = ["json"]
 # reserved but never started is redelivered, and runs under its untouched lease.
 task_acks_late = False
 worker_prefetch_multiplier = 1
+# With --autoscale, Celery's scale-down could kill a task just started (issue 29); the
+# bridge's autoscaler shrinks the pool only while it holds no task.
+worker_autoscaler = "bridge.runtime.autoscale:Autoscaler"
 # Redis re-delivers unacked messages after visibility_timeout: it must outlast any lease,
 # or a long task would be delivered twice (the fence would then drop the second copy).
 if broker_url.startswith("redis"):
