@@ -569,8 +569,8 @@ def test_a_followup_the_queue_refuses_is_skipped_and_the_parent_still_archived(p
 
 
 def assert_retried_without_a_failure(proxy, name: str):
-    """The task met a Conduit outage, yielded (no failure counted), and its second call,
-    once the circuit breaker's probe found the fake healthy, succeeded."""
+    """The task met a Conduit outage, was handed back (no failure counted), and its second
+    call, once the circuit breaker's probe found the fake healthy, succeeded."""
     task_id = proxy.ids[name]
     [row] = proxy.bridge.wait_archived([task_id], timeout=WAIT).values()
     assert (row.result, row.failureCount) == (RESULT_SUCCESS, 0)
@@ -593,7 +593,7 @@ def test_an_html_error_page_holds_the_task_back_without_a_failure(proxy, name, l
     row = assert_retried_without_a_failure(proxy, name)
     url = proxy.bridge.settings["BRIDGE_CONDUIT_URL"]
     proxy.bridge.wait_until(lambda: logged.format(url=url) in logs_of(proxy), WAIT, logged)
-    assert f"#{row.id}: yield" in logs_of(proxy)
+    assert f"#{row.id}: handed-back: Conduit unavailable" in logs_of(proxy)
     assert "Conduit is unavailable; PHP-only tasks are held back" in logs_of(proxy)
     assert "color: red" not in logs_of(proxy)  # the excerpt is text, not markup
 
