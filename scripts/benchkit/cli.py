@@ -1,174 +1,118 @@
 """``scripts/bench``: set everything up, run the plan scenario by scenario, write the report.
 
-Everything started is stopped and every temporary directory removed on the way out,
-also on an error, Ctrl-C or SIGTERM: each resource is entered into one ``ExitStack``
-as soon as it exists, and each consumer is stopped in a ``finally``.
+Every resource enters one ``ExitStack`` as soon as it exists, and every consumer is
+stopped in a ``finally``: all is stopped and removed on the way out, also on an error,
+Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import replace
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import MySQLdb
 
-from benchkit import (
-    brokers,
-    ceilings,
-    machine,
-    mariadb,
-    phorge,
-    phorgedb,
-    php,
-    plan,
-    priority,
-    procs,
-    rabbit,
-    unserved,
-    webtier,
-)
-from benchkit.consumers import REPO, Bridge, Consumer, Phd, ReferenceTaskmaster
-from benchkit.phpconsumers import ConduitBridge, PhpPhd, RunnerBridge
-from benchkit.plan import Scenario, Sizes
+from benchkit import consumers, mariadb, phorge, phorgedb, plan, procs, rabbit, runner
+from benchkit.consumers import REPO, Bridge, Consumer, Phd, ReferenceTaskmaster, SqlLoop
+from benchkit.plan import Scenario
 from benchkit.procs import BenchError
-from benchkit.rabbit import Broker
-from benchkit.report import Context, Report, Result, number
-from benchkit.runner import NOOP, Runner, Throughput
+from benchkit.report import Report, Result
 
 DDL = REPO / "tests" / "reference" / "phorge-worker-schema.sql"
-PHP_WARM_UP = 32  # tasks before a PHP-section run: every runner process and web worker warm
-# Before each PHP-section run, wait (at most QUIET_TIMEOUT s) for a second with the
-# machine at most this busy: its runs are short, and one burst of other work moves them.
-QUIET_BUSY, QUIET_TIMEOUT = 0.15, 60.0
+STARTED = time.monotonic()
 
 
-class Log:
-    """Progress lines on stderr, stamped with the time since the bench started."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-
-    def __call__(self, message: str) -> None:
-        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", file=sys.stderr, flush=True)
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="scripts/bench",
-        description="Benchmark the bridge against Phorge's own taskmaster and two ceilings.",
-    )
-    parser.add_argument("--out", default="bench-report.md", help="report file (bench-report.md)")
-    parser.add_argument("--port", type=int, default=3309, help="port of the bench's MariaDB")
-    parser.add_argument(
-        "--redis-port", type=int, default=6390, help="port of the bench's Redis (6390)"
-    )
-    parser.add_argument(
-        "--web-port",
-        type=int,
-        default=phorge.WEB_PORT,
-        help=f"port of the PHP section's web tier, php -S ({phorge.WEB_PORT})",
-    )
-    parser.add_argument("--quick", action="store_true", help="few tasks, fewer scenarios")
-    parser.add_argument(
-        "--only",
-        default="",
-        help="comma-separated globs of scenario names, e.g. 'bridge-tuned-*,taskmaster-*' "
-        "(--list shows the names)",
-    )
-    parser.add_argument("--list", action="store_true", help="print the scenario names and exit")
-    return parser.parse_args(argv)
-
-
-@dataclass
 class Bench:
-    """The shared pieces every scenario uses."""
+    """The shared pieces, and one scenario's run."""
 
-    scratch: Path
-    server: mariadb.Server
-    broker: Broker
-    conn: MySQLdb.Connection
-    runner: Runner
-    tuned: dict[str, str]
-    log: Log
-    sizes: Sizes
-    phd_env: dict[str, str] | None = None
-    phorge_root: Path | None = None
-    phd_error: str = ""
-    redis: Broker | None = None  # the bench's own Redis, if installed and needed
-    php_setup: php.PhpSetup | None = None  # the PHP section's Phorge (issue 19)
-    php_error: str = ""
-
-    def broker_for(self, s: Scenario) -> Broker:
-        """The scenario's broker: RabbitMQ, the bench's Redis or a new SQLite file."""
-        if s.broker == plan.SQLITE:
-            return brokers.sqlite(self.scratch)
-        if s.broker == plan.REDIS:
-            if self.redis is None:
-                raise BenchError("the bench's Redis did not start (see the log)")
-            return self.redis
-        return self.broker
+    def __init__(
+        self, stack: ExitStack, args: argparse.Namespace, tuned: dict[str, str], notes: list[str]
+    ) -> None:
+        self.args, self.tuned, self.notes = args, tuned, notes
+        self.scratch = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="bridge-bench-"))
+        )
+        self.broker = stack.enter_context(rabbit.broker(REPO, log))
+        log(f"starting a durable MariaDB on 127.0.0.1:{args.port}")
+        self.server = stack.enter_context(mariadb.private_server(args.port, self.scratch))
+        self.conn = self.server.connect()
+        stack.callback(self.conn.close)
+        self.phorge: phorge.Install | None = None
+        self.phorge_error = "no PHORGE_ROOT"
+        root = os.environ.get("PHORGE_ROOT")
+        scenarios = plan.build(args.quick, bool(root), args.only)
+        if root and any("phd" in s.kind or s.kind.startswith("php-") for s in scenarios):
+            try:
+                found = phorge.install(
+                    Path(root), self.server, self.conn, self.scratch, log, args.web_port
+                )
+                install = stack.enter_context(found)
+                if any(s.kind.startswith("php-") for s in scenarios):
+                    # Before the queue tables are recreated: making users queues rows.
+                    install = stack.enter_context(phorge.prepare(install, log))
+                self.phorge = install
+                notes += install.notes
+            except (BenchError, OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+                self.phorge_error = str(exc)
+                log(f"Phorge set-up failed, phd and the PHP section are reported as not run: {exc}")
+        phorgedb.create_tables(self.conn, DDL)
+        self.runner = runner.Runner(self.conn, self.server.proc.pid)
 
     def consumer(self, s: Scenario) -> Consumer:
-        name = s.name
-        if s.kind == "bridge":
-            overrides = self.tuned if s.settings == "tuned" else {}
-            return Bridge(
-                name, self.scratch, server=self.server, broker=self.broker_for(s),
-                overrides=overrides, pool=s.pool, concurrency=s.concurrency,
-                beat_in_worker=s.beat_in_worker, own_queues=s.workload.measure == "priority",
-            )  # fmt: skip
+        name, scratch, server = s.name, self.scratch, self.server
         if s.kind == "taskmaster":
-            return ReferenceTaskmaster(
-                name, self.scratch, server=self.server, processes=s.concurrency
-            )
-        if s.kind == "phd":
-            if self.phd_env is None or self.phorge_root is None:
-                raise BenchError(f"phd not run: {self.phd_error}")
-            return Phd(
-                name, self.scratch, phorge_root=self.phorge_root, env=self.phd_env,
-                processes=s.concurrency,
-            )  # fmt: skip
+            return ReferenceTaskmaster(name, scratch, server=server, processes=s.concurrency)
         if s.kind == "ceiling-sql":
-            return ceilings.SqlLoop(name, self.scratch, server=self.server, broker=self.broker)
-        if s.kind in plan.PHP_KINDS:
-            return self.php_consumer(s)
-        raise ValueError(s.kind)
-
-    def php_consumer(self, s: Scenario) -> Consumer:
-        """The PHP section's consumers, all on the copy ``php.prepare`` set up."""
-        setup = self.php_setup
-        if setup is None:
-            raise BenchError(f"PHP section not run: {self.php_error or self.phd_error}")
-        if s.kind == "php-phd":
-            return PhpPhd(
-                s.name, self.scratch, phorge_root=setup.root, env=setup.env,
-                processes=s.concurrency,
-            )  # fmt: skip
-        kind = RunnerBridge if s.kind == "php-runner" else ConduitBridge
-        return kind(
-            s.name, self.scratch, server=self.server, broker=self.broker, pool=s.pool,
-            concurrency=s.concurrency, beat_in_worker=True, setup=setup,
-        )  # fmt: skip
+            return SqlLoop(name, scratch, server=server, broker=self.broker)
+        if s.kind != "bridge" and self.phorge is None:
+            raise BenchError(f"not run: {self.phorge_error.splitlines()[0]}")
+        if s.kind in ("phd", "php-phd"):
+            assert self.phorge
+            return Phd(
+                name, scratch, root=self.phorge.root, env=self.phorge.env, processes=s.concurrency
+            )
+        overrides, web = self.tuned if s.settings == "tuned" else {}, {}
+        if self.phorge and s.kind == "php-runner":
+            overrides = {"BRIDGE_PHORGE_ROOT": str(self.phorge.root)}
+        if self.phorge and s.kind == "php-conduit":
+            overrides = {"BRIDGE_CONDUIT_TOKEN": self.phorge.token}
+            web = {"web_root": self.phorge.root, "web_port": self.phorge.web_port}
+        beat = s.kind != "bridge"  # the PHP section's: the README's worker -B
+        deployment = {"pool": s.pool, "concurrency": s.concurrency, "beat_in_worker": beat}
+        return Bridge(
+            name,
+            scratch,
+            server=server,
+            broker=self.broker,
+            overrides=overrides,
+            **deployment,
+            **web,
+        )
 
     def run(self, s: Scenario) -> Result:
         """One scenario; any error becomes the result's ``error``, for the report."""
-        result = Result(s)
-        started = time.monotonic()
-        self.log(f"{s.name}: {s.tasks} tasks ({s.workload.label})")
+        result, started = Result(s), time.monotonic()
+        log(f"{s.name}: {s.tasks} tasks ({s.workload.label})")
         try:
             if s.kind == "ceiling-celery":
-                result.ceiling = ceilings.plain_celery(
+                result.ceiling = consumers.plain_celery(
                     self.broker, self.scratch, s.tasks, s.concurrency
                 )
             else:
@@ -177,208 +121,104 @@ class Bench:
             result.error = str(exc)
         except Exception as exc:
             result.error = f"{exc!r}\n{traceback.format_exc(limit=-3)}"
-        result.wall = time.monotonic() - started
-        self.log(f"{s.name}: {summary(result)} ({result.wall:.0f} s)")
+        rate = f"{result.rate:,.0f} tasks/s" if result.rate else "no rate"
+        rate = "FAILED: " + result.error.splitlines()[0][:200] if result.error else rate
+        log(f"{s.name}: {rate} ({time.monotonic() - started:.0f} s)")
         return result
 
     def measure(self, s: Scenario, result: Result) -> None:
         phorgedb.truncate(self.conn)
-        if s.kind in plan.PHP_KINDS:
-            self.measure_php(s, result)
-            return
+        php = s.kind.startswith("php-")
+        workload = s.workload
+        if workload.task_class == phorge.SEARCH_CLASS and self.phorge:
+            workload = replace(workload, variants=phorge.search_data(self.phorge.documents))
         consumer = self.consumer(s)
         try:
             consumer.start()
-            warm_up = s.workload if s.workload.measure == "throughput" else NOOP
-            if s.kind != "ceiling-sql":  # the loop warms itself and runs one batch only
-                self.runner.warm_up(consumer, warm_up, max(10, 2 * s.concurrency))
+            if s.kind != "ceiling-sql":  # the loop runs one batch only
+                self.runner.warm_up(consumer, workload, max(32 if php else 10, 2 * s.concurrency))
             if s.light:
                 result.light = self.runner.light(consumer, s.workload, s.light)
-            if s.workload.measure == "priority":
-                result.priority = priority.run(self.conn, consumer, s.workload, s.tasks, self.log)
-            elif s.workload.measure == "unserved":
-                result.unserved = unserved.run(
-                    self.conn, self.runner, consumer, s.workload, s.tasks, self.sizes.unserved,
-                    self.log,
-                )  # fmt: skip
-            else:
-                result.throughput = self.runner.throughput(consumer, s.workload, s.tasks)
+            result.throughput = t = self.runner.throughput(consumer, workload, s.tasks)
+            if isinstance(consumer, Bridge) and consumer.web:
+                t.web_requests = consumer.web.accepted() - consumer.requests_at_release
         except BenchError as exc:
-            raise BenchError(f"{exc}{consumer.diagnose()}{consumer.log_tails()}") from None
+            raise BenchError(f"{exc}{consumer.log_tails()}") from None
         finally:
             consumer.stop()
+            if isinstance(consumer, Bridge) and consumer.web:
+                result.opcache = consumer.opcache
 
-    def measure_php(self, s: Scenario, result: Result) -> None:
-        """A PHP-section run: warmed up on its own PHP-only class (which proves the class
-        is found and the path to PHP works), then a drain, with pings for the ping run."""
-        busy, waited = procs.wait_quiet(QUIET_BUSY, timeout=QUIET_TIMEOUT)
-        if waited > 1.5:
-            self.log(f"{s.name}: waited {waited:.0f} s for a quiet machine ({busy:.0%} busy)")
-        consumer = self.consumer(s)
-        assert self.php_setup is not None
-        workload = self.php_setup.resolve(s.workload)
+
+def facts(conn: MySQLdb.Connection) -> dict[str, str]:
+    """What the figures were measured on."""
+    info = dict(
+        line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line
+    )
+    memory = int(Path("/proc/meminfo").read_text().split()[1]) / 1024**2  # MemTotal, kB
+    cur = conn.cursor()
+    cur.execute("SELECT VERSION()")
+    found = {"CPU": info.get("model name\t", "?").strip(), "cores": str(os.cpu_count()),
+             "RAM": f"{memory:.1f} GiB", "kernel": platform.release(),
+             "Python": platform.python_version(), "MariaDB": cur.fetchone()[0]}  # fmt: skip
+    try:
+        import amqp
+
+        with amqp.Connection("127.0.0.1:5672", connect_timeout=3) as broker:
+            found["RabbitMQ"] = str(broker.server_properties.get("version"))
+    except Exception as exc:
+        found["RabbitMQ"] = f"unknown ({exc})"
+    for name in ("celery", "kombu", "SQLAlchemy", "mysqlclient"):
         try:
-            consumer.start()
-            self.runner.warm_up(consumer, workload, max(PHP_WARM_UP, 2 * s.concurrency))
-            if s.workload.measure == "ping" and isinstance(consumer, ConduitBridge):
-                web = consumer.web
-                assert web is not None
-
-                def drain(begin: Callable[[], None]) -> Throughput:
-                    consumer.on_released = begin
-                    return self.runner.throughput(consumer, workload, s.tasks)
-
-                result.ping, result.throughput = webtier.ping_during(
-                    web.url, self.sizes.php_ping_idle, drain
-                )
-            else:
-                result.throughput = self.runner.throughput(consumer, workload, s.tasks)
-            if isinstance(consumer, ConduitBridge):
-                pinged = len(result.ping.during) if result.ping else 0
-                served = consumer.web_requests() - consumer.requests_at_release
-                result.web_requests = served - pinged
-        except BenchError as exc:
-            raise BenchError(f"{exc}{consumer.diagnose()}{consumer.log_tails()}") from None
-        finally:
-            consumer.stop()
-            if isinstance(consumer, ConduitBridge) and consumer.web is not None:
-                result.opcache = {"start": consumer.web.opcache, "end": consumer.opcache_after}
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    git = ["git", "-C", str(REPO), "describe", "--always", "--dirty"]
+    found["phorge-bridge"] = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    return found | {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def summary(result: Result) -> str:
-    if result.error:
-        return "FAILED: " + result.error.splitlines()[0][:200]
-    problems = result.problems
-    if problems:
-        return "FAILED: " + "; ".join(problems)
-    if result.priority and result.priority.to_archive:
-        spread = result.priority.to_archive
-        return f"urgent enqueue to archive p50 {spread.p50:.2f} s, max {spread.max:.2f} s"
-    if result.unserved:
-        run = result.unserved
-        return (
-            f"{run.behind.rate:,.0f} tasks/s behind, {run.alone.rate:,.0f} alone ({run.ratio:.2f}x)"
-        )
-    if result.ping and result.ping.ratio is not None:
-        idle, during = result.ping.idle_p, result.ping.during_p
-        assert idle is not None and during is not None
-        return (
-            f"{number(result.rate)} tasks/s; conduit.ping p95 {idle.p95 * 1000:.0f} ms idle, "
-            f"{during.p95 * 1000:.0f} ms during the drain ({result.ping.ratio:.2f}x)"
-        )
-    return f"{result.rate:,.0f} tasks/s" if result.rate else "no figure"
-
-
-def raise_interrupt(signum: int, _frame: Any) -> None:
-    """SIGTERM/SIGHUP clean up like Ctrl-C does."""
+def interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(tuned: dict[str, str], argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    sizes = plan.QUICK if args.quick else Sizes()
-    root = os.environ.get("PHORGE_ROOT")  # a Phorge checkout with arcanist beside it: phd too
-    phorge_root = Path(root).resolve() if root else None
-    only = [p.strip() for p in args.only.split(",") if p.strip()]
-    available = tuple(b for b in plan.BROKERS if b != plan.REDIS or brokers.redis_installed())
-    scenarios = plan.build(sizes, phorge_root is not None, only, available)
+    parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--out", default="bench-report.md", help="the report's file (bench-report.md)")
+    add("--port", type=int, default=3309, help="the bench's MariaDB's port (3309)")
+    add("--web-port", type=int, default=phorge.WEB_PORT, help="the PHP section's php -S (8799)")
+    add("--quick", action="store_true", help="fewer tasks and deployments: a smoke run")
+    add("--only", default="", help="comma-separated globs of scenario names (see --list)")
+    add("--list", action="store_true", help="print the scenario names and exit")
+    args = parser.parse_args(argv)
+    args.only = [p.strip() for p in args.only.split(",") if p.strip()]
+    scenarios = plan.build(args.quick, bool(os.environ.get("PHORGE_ROOT")), args.only)
     if args.list or not scenarios:
         print("\n".join(s.name for s in scenarios) or "no scenario matches --only")
         return 0 if scenarios else 2
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, raise_interrupt)
-    log = Log()
-    context = Context(facts={}, tuned=dict(tuned))
+        signal.signal(signum, interrupt)
+    settings = ", ".join(f"`{k}={v}`" for k, v in tuned.items())
+    notes = [
+        f"machine CPU busy in the 3 s before the bench: {procs.busy_share(3.0):.0%}.",
+        "MariaDB: private, durable (innodb_flush_log_at_trx_commit=1, doublewrite on).",
+        f"bridge *default*: only the two URLs; *tuned*: plus {settings}. Each run: `celery -A "
+        "bridge beat` plus ONE `celery -A bridge worker -Q bridge.control,phorge`; the PHP "
+        "section's ONE `worker -B`. Each consumer is warmed up with a small batch first.",
+    ]
     try:
         with ExitStack() as stack:
-            bench = set_up(stack, args, tuned, sizes, log, context, phorge_root, scenarios)
+            bench = Bench(stack, args, tuned, notes)
             results = [bench.run(s) for s in scenarios]
-            context.duration = time.monotonic() - log.started
+            found = facts(bench.conn)
+            notes.append(f"whole bench: {(time.monotonic() - STARTED) / 60:.1f} min.")
             log("stopping the servers")
     except KeyboardInterrupt:
         log("interrupted: everything the bench started has been stopped and removed")
         return 130
-    text = Report(results, context).render()
+    text = Report(results, found, notes).render()
     Path(args.out).write_text(text)
     print(text)
     log(f"report written to {args.out}")
-    return 1 if any(summary(r).startswith("FAILED") for r in results) else 0
-
-
-def quiet_check(log: Log, seconds: float = 3.0) -> str:
-    """How busy the machine was just before the bench: other load skews every figure."""
-    before = procs.MachineCPU.sample()
-    time.sleep(seconds)
-    busy = procs.MachineCPU.sample().busy_share_since(before)
-    if busy > 0.15:
-        log(f"WARNING: the machine is {busy:.0%} busy before the bench starts")
-    return f"machine CPU busy in the {seconds:.0f} s before the bench started: {busy:.0%}."
-
-
-def set_up(
-    stack: ExitStack,
-    args: argparse.Namespace,
-    tuned: dict[str, str],
-    sizes: Sizes,
-    log: Log,
-    context: Context,
-    phorge_root: Path | None,
-    scenarios: list[Scenario],
-) -> Bench:
-    """Start the servers (each entered into ``stack``), create the tables."""
-    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bridge-bench-")))
-    context.notes.append(quiet_check(log))
-    broker = stack.enter_context(rabbit.broker(REPO, log))
-    if broker.vhost:
-        context.notes.append(f"RabbitMQ: a private vhost per bench run ({broker.vhost}).")
-    else:
-        context.notes.append("RabbitMQ: default vhost; the bridge got queue names of its own.")
-    log(f"starting a durable MariaDB on 127.0.0.1:{args.port}")
-    server = stack.enter_context(mariadb.private_server(args.port, scratch))
-    conn = server.connect()
-    stack.callback(conn.close)
-    redis = None
-    if any(s.broker == plan.REDIS for s in scenarios):
-        log(f"starting the bench's Redis on 127.0.0.1:{args.redis_port}")
-        redis = stack.enter_context(brokers.private_redis(args.redis_port, scratch))
-        context.notes.append(
-            f"Redis: the bench's own on port {args.redis_port}, in memory (no persistence)."
-        )
-    phd_env, phd_error = None, ""
-    setup, php_error = None, ""
-    wants_php = any(s.kind in plan.PHP_KINDS for s in scenarios)
-    if phorge_root and (wants_php or any(s.kind == "phd" for s in scenarios)):
-        try:
-            taken = webtier.free_port_error(args.web_port) if wants_php else None
-            if taken:
-                raise BenchError(taken)
-            install = stack.enter_context(
-                phorge.install(phorge_root, server, conn, scratch, log, args.web_port)
-            )
-            phd_env, phorge_root = install.env, install.root
-            context.notes.extend(install.notes)
-        except (BenchError, OSError, subprocess.SubprocessError) as exc:
-            phd_error = str(exc)
-            log(f"phd set-up failed, its scenarios will be reported as not run: {exc}")
-            context.notes.append(f"phd: set-up failed: {phd_error.splitlines()[0]}")
-        if wants_php and phd_env is not None:
-            try:
-                # Before the queue tables are recreated: the rows Phorge queues as the
-                # users are made are dropped with them.
-                setup = stack.enter_context(php.prepare(install, log))
-                context.notes.extend(setup.notes)
-            except (BenchError, OSError, subprocess.SubprocessError, KeyError) as exc:
-                php_error = str(exc)
-                log(f"PHP section set-up failed, its scenarios will be reported as not run: {exc}")
-                context.notes.append(f"PHP section: set-up failed: {php_error.splitlines()[0]}")
-    phorgedb.create_worker_tables(conn, DDL)
-    context.notes.append(
-        "MariaDB: private, durable (innodb_flush_log_at_trx_commit=1, doublewrite on), "
-        "STRICT_ALL_TABLES, utf8mb4_bin; tables from tests/reference/phorge-worker-schema.sql."
-    )
-    context.facts = machine.describe(conn, REPO)
-    runner = Runner(conn, server.proc.pid, log)
-    return Bench(
-        scratch, server, broker, conn, runner, tuned, log, sizes, phd_env, phorge_root,
-        phd_error, redis, setup, php_error,
-    )  # fmt: skip
+    return 1 if any(r.error or (r.throughput and r.throughput.problems) for r in results) else 0

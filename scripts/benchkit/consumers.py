@@ -1,9 +1,9 @@
-"""The consumers under test, each started, checked and stopped the same way.
+"""The consumers under test, each started, checked, measured for CPU and stopped the same way.
 
-A consumer is a set of process groups in roles ("workers", "beat"), an optional
-directory of per-task records (``records``), and the name its records give an executed
-Phorge task. ``start`` returns once it is ready by a condition (a ready file), never
-after a fixed sleep; the runner then proves it works with a warm-up batch.
+A consumer is process groups in roles, an optional directory of per-task records, and
+the record name of an executed Phorge task. ``start`` returns once it is ready by a
+condition (a ready file); the runner then proves it works with a warm-up batch. Plus the
+plain Celery ceiling, which drains Celery messages rather than Phorge's table.
 """
 
 from __future__ import annotations
@@ -11,31 +11,30 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchkit import bridge_api, hook, procs, rabbit
+from benchkit import bridge_api, procs, rabbit, records
 from benchkit.mariadb import PASSWORD, USER, Server
+from benchkit.phorge import WebTier, web_tier
 from benchkit.phorgedb import DATABASE
 from benchkit.rabbit import Broker
 
-READY_TIMEOUT = 90
 SCRIPTS = Path(__file__).resolve().parent.parent
 REPO = SCRIPTS.parent
-SITECUSTOMIZE = "from benchkit import hook\n\nhook.install()\n"
 
 
 @dataclass
 class Consumer:
-    """Processes under test; subclasses say how to start them."""
-
     label: str
     scratch: Path
     records: Path | None = None  # per-task records, if the consumer writes them
     execute_name: str = ""  # the record name of one executed Phorge task
-    poll_name: str | None = None  # the record name of a poll, if polls run in the workers
+    poll_name: str | None = None  # the record name of a poll, when polls run in the workers
     roles: dict[str, list[procs.Proc]] = field(default_factory=dict)
     stop_signal: int = signal.SIGTERM
     cycle: float = 1.0  # seconds between two looks at the queue when idle
@@ -44,31 +43,24 @@ class Consumer:
         raise NotImplementedError
 
     def released(self) -> None:
-        """Called right after a batch is committed (only the SQL loop waits for it)."""
+        """Called right after a batch is committed."""
 
     def procs(self) -> list[procs.Proc]:
         return [p for group in self.roles.values() for p in group]
 
     def check(self) -> None:
         """Raise if any process has died (with the end of its log)."""
-        for proc in self.procs():
-            if not proc.alive():
+        for p in self.procs():
+            if not p.alive():
                 raise procs.BenchError(
-                    f"{self.label}: {proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}"
+                    f"{self.label}: {p.name} exited with {p.popen.returncode}:\n{p.tail()}"
                 )
 
-    def diagnose(self) -> str:
-        """Extra state worth showing when a run fails (the Bridge: its broker queues)."""
-        return ""
-
-    def log_tails(self, chars: int = 1500) -> str:
-        """The end of every process's output, for a failure report."""
-        tails = [f"\n--- {p.name} ({p.log}):\n{p.tail(chars).strip()}" for p in self.procs()]
-        return "".join(tails)
+    def log_tails(self) -> str:
+        return "".join(f"\n--- {p.name} ({p.log}):\n{p.tail(1500).strip()}" for p in self.procs())
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds used so far per role: every process of the role's families (its
-        sessions, and descendants that left them, as phd's daemon does)."""
+        """CPU seconds so far by role, over each process's whole family."""
         table = procs.scan()
         return {
             role: sum(procs.family_cpu(p.pid, table) for p in group)
@@ -76,64 +68,51 @@ class Consumer:
         }
 
     def stop(self) -> None:
-        for proc in self.procs():
-            procs.stop(proc, first_signal=self.stop_signal)
+        for p in self.procs():
+            procs.stop(p, first_signal=self.stop_signal)
 
-    def workdir(self, prefix: str) -> Path:
-        """A new directory for this start, with ``records/`` and ``ready/`` in it."""
+    def hooked(self, prefix: str, *path: Path) -> tuple[Path, dict[str, str]]:
+        """A new directory with ``records/`` and ``ready/``, and the environment of a
+        measured Python process: ``sitecustomize`` first on PYTHONPATH, no ``BRIDGE_*``."""
         directory = Path(tempfile.mkdtemp(prefix=prefix, dir=self.scratch))
         self.records = directory / "records"
-        self.records.mkdir()
-        (directory / "ready").mkdir()
-        return directory
+        for sub in ("records", "ready"):
+            (directory / sub).mkdir()
+        (directory / "sitecustomize.py").write_text(
+            "from benchkit import records\n\nrecords.install()\n"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BRIDGE_")}
+        env["PYTHONPATH"] = os.pathsep.join(map(str, (directory, *path, SCRIPTS)))
+        env.update(
+            {records.RECORD_DIR: str(self.records), records.READY_DIR: str(directory / "ready")}
+        )
+        return directory, env
+
+    def wait_ready(self, ready: Path, count: int) -> None:
+        procs.wait_until(
+            lambda: len(list(ready.iterdir())) >= count,
+            timeout=90,
+            what=f"{self.label} to be ready",
+            check=self.check,
+        )
 
 
-def hooked_env(directory: Path, extra_path: list[Path]) -> dict[str, str]:
-    """The environment of a hooked Python process: sitecustomize first on PYTHONPATH."""
-    for sub in ("records", "ready"):
-        (directory / sub).mkdir(exist_ok=True)
-    (directory / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BRIDGE_")}
-    path = [directory, *extra_path, SCRIPTS]
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
-    env[hook.RECORD_DIR_ENV] = str(directory / "records")
-    env[hook.READY_DIR_ENV] = str(directory / "ready")
-    return env
-
-
-def bridge_settings(
-    server: Server, broker: Broker, overrides: dict[str, str], own_queues: bool = False
-) -> dict[str, str]:
-    """``BRIDGE_*`` for one deployment: the two URLs, then the overrides.
-
-    On a shared vhost (no private one could be made), or when told (a run that stops with
-    messages queued), the queues get names of their own.
-    """
-    settings = {
-        "BRIDGE_DATABASE_URL": server.url(DATABASE),
-        "BRIDGE_BROKER_URL": broker.url,
-    }
-    if broker.vhost is None or own_queues:
+def bridge_settings(server: Server, broker: Broker, overrides: dict[str, str]) -> dict[str, str]:
+    """The two URLs, queue names of their own on a shared vhost, then the overrides."""
+    settings = {"BRIDGE_DATABASE_URL": server.url(DATABASE), "BRIDGE_BROKER_URL": broker.url}
+    if broker.shared:
         suffix = secrets.token_hex(4)
-        settings["BRIDGE_DEFAULT_QUEUE"] = f"bench-{suffix}"
-        settings["BRIDGE_CONTROL_QUEUE"] = f"bench-control-{suffix}"
-    settings.update(overrides)
-    return settings
-
-
-def wait_ready_files(consumer: Consumer, ready: Path, count: int) -> None:
-    procs.wait_until(
-        lambda: len(list(ready.iterdir())) >= count,
-        timeout=READY_TIMEOUT,
-        what=f"{consumer.label} to be ready",
-        check=consumer.check,
-    )
+        settings.update(
+            BRIDGE_DEFAULT_QUEUE=f"bench-{suffix}", BRIDGE_CONTROL_QUEUE=f"bench-control-{suffix}"
+        )
+    return settings | overrides
 
 
 @dataclass
 class Bridge(Consumer):
-    """``celery -A bridge beat`` plus ONE ``celery -A bridge worker -Q control,default``,
-    or with ``beat_in_worker`` the README's one ``celery -A bridge worker -B``."""
+    """``celery -A bridge beat`` plus ONE ``celery -A bridge worker -Q control,default``, or
+    with ``beat_in_worker`` the README's one ``worker -B``; with ``web_root`` a web tier
+    first, and the worker through Conduit to it."""
 
     server: Server | None = None
     broker: Broker | None = None
@@ -141,40 +120,38 @@ class Bridge(Consumer):
     pool: str = "prefork"
     concurrency: int = 1
     beat_in_worker: bool = False
-    own_queues: bool = False
+    web_root: Path | None = None
+    web_port: int = 0
+    web: WebTier | None = None
+    requests_at_release: int = 0  # web requests served when the batch was committed
+    opcache: dict[str, object] = field(default_factory=dict)  # at the end
 
     def start(self) -> None:
-        assert self.server is not None and self.broker is not None
+        assert self.server and self.broker
         self.execute_name, self.poll_name = bridge_api.RUN_RECORD, bridge_api.POLL_TASK
-        directory = self.workdir("bridge-")
-        env = hooked_env(directory, [REPO])
-        env[hook.BRIDGE_RUNS_ENV] = "1"
-        settings = bridge_settings(self.server, self.broker, self.overrides, self.own_queues)
+        directory, env = self.hooked("bridge-", REPO)
+        env[records.BRIDGE_RUNS] = "1"
+        if self.web_root:
+            self.web = web_tier(self.web_root, self.web_port, directory)
+            self.roles["web-tier PHP"] = [self.web.proc]
+            self.overrides = {**self.overrides, "BRIDGE_CONDUIT_URL": self.web.url}
+        settings = bridge_settings(self.server, self.broker, self.overrides)
         env.update(settings)
-        interval = settings.get("BRIDGE_POLL_INTERVAL", bridge_api.DEFAULT_POLL_INTERVAL)
-        self.cycle = float(interval)
+        self.cycle = float(settings.get("BRIDGE_POLL_INTERVAL", bridge_api.DEFAULT_POLL_INTERVAL))
         celery = [sys.executable, "-m", "celery", "-A", bridge_api.CELERY_APP]
-        if self.beat_in_worker:
-            consume = ["-B"]  # and every queue the bridge declares: control and default
-        else:
-            beat = procs.start(
-                "beat",
-                [*celery, "beat", "-l", "WARNING", "--schedule", str(directory / "beat-schedule")],
-                env=env,
-                cwd=REPO,
-                log=directory / "beat.log",
+        consume = ["-B"]
+        if not self.beat_in_worker:
+            beat = [*celery, *f"beat -l WARNING --schedule {directory}/beat-schedule".split()]
+            self.roles["beat"] = [
+                procs.start("beat", beat, env=env, cwd=REPO, log=directory / "beat.log")
+            ]
+            queues = (
+                settings.get(f"BRIDGE_{q.upper()}_QUEUE", d)
+                for q, d in (("control", "bridge.control"), ("default", "phorge"))
             )
-            self.roles["beat"] = [beat]
-            queues = ",".join(
-                (
-                    settings.get("BRIDGE_CONTROL_QUEUE", "bridge.control"),
-                    settings.get("BRIDGE_DEFAULT_QUEUE", "phorge"),
-                )
-            )
-            consume = ["-Q", queues]
+            consume = ["-Q", ",".join(queues)]
         node = f"bench-{secrets.token_hex(3)}@%h"
-        pool = ["-P", self.pool] if self.pool != "prefork" else []
-        options = ["-c", str(self.concurrency), *pool, "-n", node, "-l", "WARNING"]
+        options = f"-c {self.concurrency} -P {self.pool} -n {node} -l WARNING".split()
         worker = procs.start(
             "worker",
             [*celery, "worker", *consume, *options],
@@ -183,63 +160,219 @@ class Bridge(Consumer):
             log=directory / "worker.log",
         )
         self.roles["workers"] = [worker]
-        wait_ready_files(self, directory / "ready", 1)
+        self.wait_ready(directory / "ready", 1)
 
-    def diagnose(self) -> str:
-        if self.broker is None or self.broker.vhost is None:
-            return ""
-        depths = rabbit.queue_depths(self.broker.vhost)
-        return f"\n--- broker queues (name, ready, unacked, consumers):\n{depths}"
+    def released(self) -> None:
+        self.requests_at_release = self.web.accepted() if self.web else 0
+
+    def cpu(self) -> dict[str, float]:
+        """``workers`` (the worker's Python), ``beat`` (its own process, or the one ``-B``
+        forks, marked by the hook), ``runner PHP`` (PHP in the worker's family) and
+        ``web-tier PHP``."""
+        table = procs.scan()
+        assert self.records
+        beats = {int(p.stem) for p in self.records.glob(f"*{records.BEAT_SUFFIX}")}
+        found = {"workers": 0.0, "beat": 0.0, "runner PHP": 0.0}
+        for leader in self.roles["workers"]:
+            for p in procs.family(table, leader.pid):
+                role = (
+                    "runner PHP"
+                    if p.name.startswith("php")
+                    else "beat"
+                    if p.pid in beats - {leader.pid}
+                    else "workers"
+                )
+                found[role] += p.cpu
+        for role in {"beat", "web-tier PHP"} & set(self.roles):
+            found[role] = found.get(role, 0.0) + sum(
+                procs.family_cpu(p.pid, table) for p in self.roles[role]
+            )
+        return found
+
+    def stop(self) -> None:
+        """The bridge first, then the web tier (asked for its opcache figures first)."""
+        try:
+            if self.web and self.web.proc.alive():
+                self.opcache = self.web.opcache()
+        except Exception as exc:  # a report detail only
+            self.opcache = {"error": str(exc)[:200]}
+        for role in ("workers", "beat", "web-tier PHP"):
+            for p in self.roles.get(role, []):
+                procs.stop(p)
 
 
 @dataclass
 class ReferenceTaskmaster(Consumer):
-    """``processes`` times ``python3 -m benchkit.taskmaster`` (Phorge's loop, in Python)."""
+    """``processes`` x ``python3 -m benchkit.taskmaster``: Phorge's loop, in Python."""
 
     server: Server | None = None
     processes: int = 1
 
     def start(self) -> None:
-        assert self.server is not None
+        assert self.server
         self.execute_name = "taskmaster"
-        directory = self.workdir("taskmaster-")
-        env = hooked_env(directory, [])
-        group = []
+        directory, env = self.hooked("taskmaster-")
+        self.roles["workers"] = []
         for n in range(self.processes):
-            command = [
-                sys.executable, "-m", "benchkit.taskmaster", "--port", str(self.server.port),
-                "--user", USER, "--password", PASSWORD, "--database", DATABASE,
-                "--records", str(self.records), "--ready", str(directory / "ready" / str(n)),
-            ]  # fmt: skip
+            command = f"-m benchkit.taskmaster --port {self.server.port} --user {USER} --password "
+            command += f"{PASSWORD} --database {DATABASE} --records {self.records}"
+            command += f" --ready {directory}/ready/{n}"
             log = directory / f"taskmaster-{n}.log"
-            group.append(procs.start(f"taskmaster-{n}", command, env=env, cwd=REPO, log=log))
-        self.roles["workers"] = group
-        wait_ready_files(self, directory / "ready", self.processes)
+            proc = procs.start(
+                f"taskmaster-{n}", [sys.executable, *command.split()], env=env, cwd=REPO, log=log
+            )
+            self.roles["workers"].append(proc)
+        self.wait_ready(directory / "ready", self.processes)
 
 
 @dataclass
 class Phd(Consumer):
-    """``processes`` times ``bin/phd debug taskmaster`` of a real Phorge (see ``phorge``).
+    """``processes`` x ``bin/phd debug taskmaster`` of the copy. No records: its run ends
+    when the bench sees the archive complete; ready once its warm-up batch is archived."""
 
-    phd writes no records: its throughput ends when the bench sees the archive complete,
-    and its latency is enqueue to archive as seen by polling.
-    """
-
-    phorge_root: Path | None = None
+    root: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
     processes: int = 1
 
     def start(self) -> None:
-        assert self.phorge_root is not None
+        assert self.root
         self.stop_signal = signal.SIGKILL  # Phorge's CLI ignores SIGTERM
-        self.records = None
         directory = Path(tempfile.mkdtemp(prefix="phd-", dir=self.scratch))
-        group = []
+        command = ["php", str(self.root / "bin" / "phd"), "debug", "taskmaster"]
         for n in range(self.processes):
-            command = ["php", str(self.phorge_root / "bin" / "phd"), "debug", "taskmaster"]
             log = directory / f"phd-{n}.log"
-            group.append(
-                procs.start(f"phd-{n}", command, env=self.env, cwd=self.phorge_root, log=log)
+            self.roles.setdefault("workers", []).append(
+                procs.start(f"phd-{n}", command, env=self.env, cwd=self.root, log=log)
             )
-        self.roles["workers"] = group
-        # Ready when it runs a task: the runner's warm-up batch is the condition.
+
+
+@dataclass
+class SqlLoop(Consumer):
+    """``bridge_api.sql_loop`` in a process of its own, unpaced (as a whole capacity's
+    lease); released by a line on its stdin."""
+
+    server: Server | None = None
+    broker: Broker | None = None
+
+    def start(self) -> None:
+        assert self.server and self.broker
+        self.execute_name = bridge_api.SQL_LOOP_RECORD
+        directory, env = self.hooked("sqlloop-", REPO)
+        env.update(bridge_settings(self.server, self.broker, {"BRIDGE_DISPATCH_AHEAD": "off"}))
+        command = [
+            sys.executable,
+            "-m",
+            "benchkit.records",
+            f"{directory}/ready/loop",
+            str(self.records),
+        ]
+        log = directory / "sqlloop.log"
+        proc = procs.start("sqlloop", command, env=env, cwd=REPO, log=log, stdin=subprocess.PIPE)
+        self.roles["workers"] = [proc]
+        self.wait_ready(directory / "ready", 1)
+
+    def released(self) -> None:
+        stdin = self.roles["workers"][0].popen.stdin
+        assert stdin
+        stdin.write(b"go\n")
+        stdin.flush()
+
+    def stop(self) -> None:
+        for p in self.procs():
+            if p.popen.stdin:
+                p.popen.stdin.close()
+        super().stop()
+
+
+CELERY_APP = """\
+import os
+from celery import Celery
+
+app = Celery("ceiling", broker=os.environ["BENCH_CEILING_BROKER"])
+app.conf.update(task_ignore_result=True, task_acks_late=True, worker_prefetch_multiplier=1,
+                worker_send_task_events=False, task_default_queue=os.environ["BENCH_CEILING_QUEUE"])
+
+
+@app.task(name="ceiling.noop")
+def noop(number):
+    return None
+"""
+
+
+@dataclass
+class CeilingResult:
+    tasks: int
+    seconds: float
+    worker_cpu: float
+    machine_busy: float
+    others_busy: float  # the part of machine_busy no measured process explains
+
+    @property
+    def rate(self) -> float:
+        return self.tasks / self.seconds
+
+
+def plain_celery(broker: Broker, scratch: Path, count: int, concurrency: int) -> CeilingResult:
+    """Plain Celery on the same broker with the bridge's message settings (acks late,
+    prefetch 1, no results, no events), no database: ``count`` no-op tasks sent by the
+    bench, timed until the last one's end in the worker."""
+    from celery import Celery
+
+    consumer = Consumer("plain Celery", scratch)
+    directory, env = consumer.hooked("celery-ceiling-")
+    (directory / "ceiling_app.py").write_text(CELERY_APP)
+    env["PYTHONPATH"] += os.pathsep + str(directory)
+    queue = f"ceiling-{directory.name}"
+    env.update(BENCH_CEILING_BROKER=broker.url, BENCH_CEILING_QUEUE=queue)
+    command = f"-m celery -A ceiling_app worker -c {concurrency} -n {queue}@%h -l WARNING"
+    command += " --without-mingle --without-gossip"
+    worker = procs.start(
+        "celery",
+        [sys.executable, *command.split()],
+        env=env,
+        cwd=directory,
+        log=directory / "worker.log",
+    )
+    consumer.roles["workers"] = [worker]
+    app = Celery("sender", broker=broker.url)
+    app.conf.update(task_ignore_result=True, task_default_queue=queue)
+
+    def send_and_wait(numbers: range) -> float:
+        with app.producer_or_acquire() as producer:
+            for number in numbers:
+                app.send_task("ceiling.noop", args=(number,), producer=producer)
+        ends: list[float] = []
+
+        def done() -> bool:
+            assert consumer.records
+            ends[:] = [
+                r.end for r in records.read_records(consumer.records) if r.task_id in numbers
+            ]
+            return len(ends) >= len(numbers)
+
+        procs.wait_until(
+            done, timeout=120, what="the plain Celery worker", interval=0.02, check=consumer.check
+        )
+        return max(ends)
+
+    try:
+        consumer.wait_ready(directory / "ready", 1)
+        send_and_wait(range(4 * concurrency))  # warm-up
+        cpu, broker_cpu, machine = (
+            consumer.cpu()["workers"],
+            rabbit.cpu(),
+            procs.MachineCPU.sample(),
+        )
+        bench, started = time.process_time(), time.time()
+        end = send_and_wait(range(1_000_000, 1_000_000 + count))
+        cpu, after = consumer.cpu()["workers"] - cpu, procs.MachineCPU.sample()
+        broker_cpu = rabbit.cpu() - broker_cpu
+        busy = after.busy_share_since(machine)
+        known = (cpu + broker_cpu + time.process_time() - bench) / after.capacity_since(machine)
+        return CeilingResult(count, end - started, cpu, busy, max(0.0, busy - known))
+    finally:
+        consumer.stop()
+        with app.connection_for_write() as conn:  # leave the broker as found
+            conn.default_channel.queue_delete(queue)
+            conn.default_channel.exchange_delete(queue)
+        app.close()

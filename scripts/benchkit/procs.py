@@ -1,11 +1,9 @@
-"""Processes the bench starts, and the CPU time they and the machine use (from /proc).
+"""Processes the bench starts, and the CPU they and the machine use (from /proc).
 
-Every process is started in a session of its own (``start_new_session``), so it and its
-descendants (prefork children, the PHP runner's processes) share one process group and
-one session id. A descendant may leave the session: phd's daemon (``exec_daemon.php``)
-calls ``posix_setsid()`` when its stdout is not a terminal. So a started process's
-*family* is its session plus every descendant by parent pid (:func:`family`): CPU is
-summed over the family, and stopping kills the group and then the rest of the family.
+Every process starts in a session of its own, so it and its descendants share one
+process group. A descendant may leave the session (phd's daemon calls ``posix_setsid``),
+so a process's *family* is its session plus every descendant by parent pid: CPU is summed
+over the family, and stopping kills the group, then the rest of the family.
 """
 
 from __future__ import annotations
@@ -18,8 +16,9 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class BenchError(Exception):
@@ -28,8 +27,6 @@ class BenchError(Exception):
 
 @dataclass
 class Proc:
-    """A started process group and where its output goes."""
-
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
@@ -48,55 +45,88 @@ class Proc:
             return ""
 
 
-def start(
-    name: str,
-    command: Sequence[str],
-    *,
-    env: dict[str, str],
-    cwd: Path,
-    log: Path,
-    stdin: int | None = subprocess.DEVNULL,
-) -> Proc:
-    """Start ``command`` as the leader of a new session; output (both streams) to ``log``."""
+def start(name: str, command: Sequence[str], *, log: Path, **kwargs: Any) -> Proc:
+    """``command`` as the leader of a new session (``env``, ``cwd``, ``stdin``: Popen's),
+    both output streams to ``log``."""
+    kwargs.setdefault("stdin", subprocess.DEVNULL)
     with log.open("ab") as out:
         popen = subprocess.Popen(
-            list(command),
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            list(command), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
         )
     return Proc(name, popen, log)
 
 
-def stop(proc: Proc, *, grace: float = 10.0, first_signal: int = signal.SIGTERM) -> None:
-    """Ask the process to stop, then SIGKILL its whole group; always reaps the leader.
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    ppid: int
+    session: int
+    name: str  # the command name: php, python3, mariadbd
+    cpu: float  # CPU seconds, its own and those of the children it reaped
+    zombie: bool = False
 
-    ``first_signal=SIGKILL`` is for Phorge's CLI, which ignores SIGTERM.
-    """
-    # Descendants that left the session (phd's daemon) are found by parent pid, so they
-    # are listed while the leader still lives; they are killed after it.
+
+def scan() -> dict[int, ProcStat]:
+    """Every process of the machine, zombies included (their CPU is not yet reaped)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name, stat = (
+            text[text.index("(") + 1 : text.rindex(")")],
+            text[text.rindex(")") + 2 :].split(),
+        )
+        cpu = sum(int(v) for v in stat[11:15]) / TICKS
+        found[int(entry)] = ProcStat(
+            int(entry), int(stat[1]), int(stat[3]), name, cpu, stat[0] == "Z"
+        )
+    return found
+
+
+def family(table: dict[int, ProcStat], leader: int) -> list[ProcStat]:
+    """``leader``'s session and every descendant by parent pid, each once."""
+    children: dict[int, list[int]] = {}
+    for p in table.values():
+        children.setdefault(p.ppid, []).append(p.pid)
+    todo = [p.pid for p in table.values() if p.session == leader] + [leader]
+    seen: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid not in seen and pid in table:
+            seen.add(pid)
+            todo.extend(children.get(pid, ()))
+    return [table[pid] for pid in sorted(seen)]
+
+
+def family_cpu(leader: int, table: dict[int, ProcStat]) -> float:
+    return sum(p.cpu for p in family(table, leader))
+
+
+def stop(proc: Proc, *, grace: float = 10.0, first_signal: int = signal.SIGTERM) -> None:
+    """Ask, then SIGKILL the group and the family's strays (``SIGKILL`` first for Phorge's
+    CLI, which ignores SIGTERM); waits until none is left."""
     strays = [p.pid for p in family(scan(), proc.pid) if p.session != proc.pid]
     if proc.alive() and first_signal != signal.SIGKILL:
         with suppress(ProcessLookupError):
             proc.popen.send_signal(first_signal)
         with suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=grace)
-    # The group may outlive its leader (a prefork child, phd's daemon): kill it anyway.
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in strays:
+    for kill, target in [(os.killpg, proc.pid)] + [(os.kill, pid) for pid in strays]:
         with suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+            kill(target, signal.SIGKILL)
     with suppress(subprocess.TimeoutExpired):
         proc.popen.wait(timeout=10)
-    wait_until(
-        lambda: not session_pids(proc.pid) and not any(_alive(pid) for pid in strays),
-        timeout=10,
-        what=f"{proc.name} to exit",
-    )
+
+    def gone() -> bool:
+        table = scan()
+        left = [p for p in table.values() if p.session == proc.pid or p.pid in strays]
+        return all(p.zombie for p in left)
+
+    wait_until(gone, timeout=10, what=f"{proc.name} to exit")
 
 
 def wait_until(
@@ -117,143 +147,32 @@ def wait_until(
         time.sleep(interval)
 
 
-def _stat_fields(pid: str) -> list[str] | None:
-    """Fields 3.. of /proc/<pid>/stat (after the command name, which may hold spaces)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie is not: its parent reaps it)."""
-    stat = _stat_fields(str(pid))
-    return stat is not None and stat[0] != "Z"
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """One process as /proc/<pid>/stat shows it."""
-
-    pid: int
-    ppid: int
-    session: int
-    name: str  # the command name (``comm``): ``php``, ``python3``, ``mariadbd``
-    cpu: float  # CPU seconds of the process plus those of the children it has reaped
-
-
-def scan() -> dict[int, ProcStat]:
-    """Every process of the machine (zombies included: their CPU is not yet their
-    parent's), in one pass over /proc."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1 : text.rindex(")")]
-        stat = text[text.rindex(")") + 2 :].split()
-        cpu = sum(int(v) for v in stat[11:15]) / CLOCK_TICKS
-        found[int(entry)] = ProcStat(int(entry), int(stat[1]), int(stat[3]), name, cpu)
-    return found
-
-
-def family(table: dict[int, ProcStat], leader: int) -> list[ProcStat]:
-    """The processes of ``leader``'s session and every descendant of them by parent pid
-    (also those that started a session of their own), each once."""
-    children: dict[int, list[int]] = {}
-    for p in table.values():
-        children.setdefault(p.ppid, []).append(p.pid)
-    todo = [p.pid for p in table.values() if p.session == leader]
-    if leader in table and leader not in todo:
-        todo.append(leader)
-    seen: set[int] = set()
-    while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.add(pid)
-            todo.extend(children.get(pid, ()))
-    return [table[pid] for pid in sorted(seen)]
-
-
-def family_cpu(leader: int, table: dict[int, ProcStat] | None = None) -> float:
-    """CPU seconds of :func:`family` (live processes, and what they reaped)."""
-    return sum(p.cpu for p in family(scan() if table is None else table, leader))
-
-
-def session_pids(session: int) -> list[int]:
-    """Live (non-zombie) processes whose session id is ``session``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat_fields(entry)
-            if stat and int(stat[3]) == session and stat[0] != "Z":
-                pids.append(int(entry))
-    return pids
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds of one process, plus those of its children it has reaped."""
-    stat = _stat_fields(str(pid))
-    if stat is None:
-        return 0.0
-    # utime, stime, cutime, cstime are fields 14-17 (indexes 11-14 here).
-    return sum(int(v) for v in stat[11:15]) / CLOCK_TICKS
-
-
-def session_cpu(session: int) -> float:
-    """CPU seconds of every live process of a session (and what they reaped)."""
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat_fields(entry)
-            if stat and int(stat[3]) == session:
-                total += sum(int(v) for v in stat[11:15]) / CLOCK_TICKS
-    return total
-
-
 @dataclass(frozen=True)
 class MachineCPU:
-    """Jiffies of all CPUs together, from the first line of /proc/stat."""
+    """Jiffies of all CPUs together (the first line of /proc/stat)."""
 
     busy: int
     total: int
 
-    def busy_seconds_since(self, before: MachineCPU) -> float:
-        """CPU seconds the machine's cores were busy since ``before``, whoever used them."""
-        return (self.busy - before.busy) / CLOCK_TICKS
-
     @classmethod
     def sample(cls) -> MachineCPU:
         values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = values[3] + values[4]  # idle + iowait
-        total = sum(values[:8])  # guest time is already counted in user
-        return cls(total - idle, total)
+        total = sum(values[:8])  # guest time is already in user
+        return cls(total - values[3] - values[4], total)  # less idle and iowait
+
+    def busy_seconds_since(self, before: MachineCPU) -> float:
+        return (self.busy - before.busy) / TICKS
+
+    def capacity_since(self, before: MachineCPU) -> float:
+        return (self.total - before.total) / TICKS
 
     def busy_share_since(self, before: MachineCPU) -> float:
-        """Share (0..1) of the machine's CPU capacity that was busy since ``before``."""
         total = self.total - before.total
         return (self.busy - before.busy) / total if total else 0.0
 
-    def capacity_since(self, before: MachineCPU) -> float:
-        """CPU seconds the machine had (all cores) since ``before``."""
-        return (self.total - before.total) / CLOCK_TICKS
 
-
-def wait_quiet(
-    max_busy: float, *, window: float = 1.0, timeout: float = 60.0
-) -> tuple[float, float]:
-    """Wait until the machine is at most ``max_busy`` busy over a ``window``, at most
-    ``timeout`` seconds: (the last window's busy share, seconds waited). On a machine
-    shared with other work, a run started in a quiet moment is less disturbed."""
-    started = time.monotonic()
-    while True:
-        before = MachineCPU.sample()
-        time.sleep(window)
-        busy = MachineCPU.sample().busy_share_since(before)
-        waited = time.monotonic() - started
-        if busy <= max_busy or waited >= timeout:
-            return busy, waited
+def busy_share(window: float) -> float:
+    """How busy the machine is over the next ``window`` seconds (0..1)."""
+    before = MachineCPU.sample()
+    time.sleep(window)
+    return MachineCPU.sample().busy_share_since(before)

@@ -1,194 +1,261 @@
-"""Per-task records that measured processes append to files of their own, and their reading.
+"""What the measured processes record about themselves, and the bench's reading of it.
 
-Every consumer (bridge worker children through ``hook``, the reference taskmaster, the
-SQL loop, the plain Celery ceiling) writes one line per finished task to
-``<dir>/<pid>.rec``: when it started, when it was archived (``time.time()``, comparable
-with the bench's enqueue clock), the thread CPU it took, and the process's *cumulative*
-database counters at that moment. One ``os.write`` per line on an ``O_APPEND`` file is
-atomic, so threads and processes never interleave half lines, and nothing needs flushing
-when a process is killed.
+A ``sitecustomize.py`` the bench puts first on the measured processes' PYTHONPATH calls
+:func:`install`, so the bridge runs unmodified. In each such process it:
+
+- counts database requests where they leave the process, in MySQLdb (which has no hook
+  of its own, and SQLAlchemy's events miss the raw DBAPI round trips the bridge makes):
+  each cursor ``execute`` or ``query`` is one round trip of one or more ``;``-separated
+  statements, ``commit``, ``rollback``, ``ping`` and ``autocommit`` one round trip each;
+- appends a line per finished Celery task (``task_prerun``/``task_postrun``) and, in a
+  bridge worker (``BENCH_BRIDGE_RUNS``), per Phorge task run (through the engine's
+  observer, ``bridge_api.observe_runs``) to ``<BENCH_RECORD_DIR>/<pid>.rec``: the name,
+  the task id, start and end (``time.time()``), thread CPU and the cumulative counters;
+- writes ``<BENCH_READY_DIR>/<pid>`` once the Celery worker is ready, and
+  ``<record dir>/<pid>.beat`` in the beat process ``worker -B`` forks.
+
+One ``os.write`` a line on an ``O_APPEND`` file: processes and threads never interleave
+half lines, and nothing is lost when a process is killed.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import sys
 import threading
-from dataclasses import dataclass, fields
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
+
+RECORD_DIR, READY_DIR, BRIDGE_RUNS = "BENCH_RECORD_DIR", "BENCH_READY_DIR", "BENCH_BRIDGE_RUNS"
+BEAT_SUFFIX = ".beat"
+# A quoted string or identifier, backslash escapes included: ``;`` inside does not split.
+_QUOTED = re.compile(rb"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"|`[^`]*`", re.DOTALL)
+_CONTROL = {b"START", b"BEGIN", b"ROLLBACK"}  # transaction control: no statement
 
 
-@dataclass
-class Counters:
-    """Client-side database requests (see ``hook``): statements by kind, and round trips.
+class Counters(NamedTuple):
+    """Client-side database requests: statements (transaction control aside), commits
+    (COMMIT statements and ``commit()`` calls) and round trips."""
 
-    A commit is a COMMIT statement or a driver ``commit()`` call; one round trip may
-    carry several statements (a multi-statement query).
-    """
-
-    statements: int = 0  # SQL statements other than transaction control
-    begins: int = 0  # START TRANSACTION / BEGIN statements
+    statements: int = 0
     commits: int = 0
-    rollbacks: int = 0
-    pings: int = 0
-    others: int = 0  # autocommit() calls
-    round_trips: int = 0  # requests sent: queries, commit(), rollback(), ping(), ...
+    round_trips: int = 0
 
-    def as_tuple(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
-
-    def __add__(self, other: Counters) -> Counters:
-        return Counters(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
-
-    def __sub__(self, other: Counters) -> Counters:
-        return Counters(*(a - b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True)))
-
-    def elementwise_max(self, other: Counters) -> Counters:
-        return Counters(*map(max, self.as_tuple(), other.as_tuple()))
+    def minus(self, other: Counters) -> Counters:
+        return Counters(*(a - b for a, b in zip(self, other, strict=True)))
 
 
-COUNTER_NAMES = tuple(f.name for f in fields(Counters))
+def latest(counters: Iterable[Counters]) -> Counters:
+    """The highest of cumulative counters, field by field (threads record out of order)."""
+    return Counters(*map(max, zip(Counters(), *counters, strict=False)))
 
 
 class CounterBox:
-    """A process's cumulative counters, safe to bump from several threads.
-
-    A plain list bumped by positions computed once (:meth:`indexes`), and read as a
-    tuple: the hook bumps it on every query and reads it on every task of the measured
-    process, whose CPU per task the bench reports.
-    """
+    """A process's cumulative counters, bumped from any thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = [0] * len(COUNTER_NAMES)
+        self.lock, self.values = threading.Lock(), [0, 0, 0]
 
-    @staticmethod
-    def indexes(*names: str) -> tuple[int, ...]:
-        """The positions :meth:`bump` takes for ``names`` (a name given twice counts twice)."""
-        return tuple(COUNTER_NAMES.index(name) for name in names)
+    def bump(self, statements: int, commits: int, round_trips: int = 1) -> None:
+        with self.lock:
+            self.values[0] += statements
+            self.values[1] += commits
+            self.values[2] += round_trips
 
-    def bump(self, indexes: tuple[int, ...]) -> None:
-        with self._lock:
-            values = self._values
-            for index in indexes:
-                values[index] += 1
+    def snapshot(self) -> Counters:
+        with self.lock:
+            return Counters(*self.values)
 
-    def snapshot(self) -> tuple[int, ...]:
-        """The counters in ``Counters`` field order: ``Counters(*box.snapshot())``."""
-        with self._lock:
-            return tuple(self._values)
+
+COUNTERS = CounterBox()
+_split: dict[bytes, tuple[int, int]] = {}  # SQL text -> (statements, commits), split once
+
+
+def split(query: bytes | str) -> tuple[int, int]:
+    """(statements, commits) of one query; quoted ``;`` ignored, empty parts dropped."""
+    raw = query.encode() if isinstance(query, str) else bytes(query)
+    found = _split.get(raw)
+    if found is None:
+        parts = [raw] if b";" not in raw else _QUOTED.sub(b"?", raw).split(b";")
+        words = [p.split(None, 1)[0].upper() for p in parts if p.strip()]
+        commits = words.count(b"COMMIT")
+        found = (sum(w not in _CONTROL for w in words) - commits, commits)
+        if len(_split) < 10_000 and isinstance(query, str):  # a template: worth keeping
+            _split[raw] = found
+    return found
+
+
+def count_query(query: bytes | str) -> None:
+    COUNTERS.bump(*split(query))
+
+
+class RecordWriter:
+    """Appends to ``<dir>/<pid>.rec``; a forked child opens its own file."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory, self.fd, self.lock = Path(directory), -1, threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.lock = -1, threading.Lock()
+
+    def write(self, name: str, task_id: int | None, *times: float, counters: Counters) -> None:
+        """One line: ``name``, the task id, start, end and CPU seconds, the counters."""
+        if self.fd < 0:
+            with self.lock:
+                if self.fd < 0:
+                    path = self.directory / f"{os.getpid()}.rec"
+                    self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fields = [name, "-" if task_id is None else str(task_id), *(f"{t:.6f}" for t in times)]
+        os.write(self.fd, (" ".join(fields + [str(c) for c in counters]) + "\n").encode())
 
 
 @dataclass(frozen=True)
 class Record:
-    """One finished task as its process saw it."""
-
     pid: int
     name: str
     task_id: int | None
     start: float
     end: float
-    cpu: float  # thread CPU seconds spent inside the task
-    counters: Counters
-
-
-# What ``read_records`` parses: ``name tid start end cpu`` and the counters.
-_LINE = "%s %s %.6f %.6f %.6f" + " %d" * len(COUNTER_NAMES) + "\n"
-
-
-class RecordWriter:
-    """Appends records to ``<dir>/<pid>.rec``; thread-safe.
-
-    Made before the bridge's prefork pool forks, so a child must not write to its
-    parent's file: a fork hook drops the descriptor and the child's first write opens
-    its own (cheaper than comparing ``os.getpid()`` on every write).
-    """
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = Path(directory)
-        self._fd = -1  # opened by the first write: a process that records nothing has no file
-        self._lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._forget_parent_file)
-
-    def _forget_parent_file(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
-
-    def _open(self) -> int:
-        """This process's file, opened once even when threads race for it."""
-        with self._lock:
-            if self._fd < 0:
-                path = self.directory / f"{os.getpid()}.rec"
-                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            return self._fd
-
-    def write(
-        self,
-        name: str,
-        task_id: int | None,
-        start: float,
-        end: float,
-        cpu: float,
-        counters: tuple[int, ...],
-    ) -> None:
-        """Append one line; ``counters`` as :meth:`CounterBox.snapshot` gives them."""
-        fd = self._fd
-        if fd < 0:
-            fd = self._open()
-        tid = "-" if task_id is None else task_id
-        os.write(fd, (_LINE % (name, tid, start, end, cpu, *counters)).encode())
+    cpu: float  # thread CPU seconds inside the task
+    counters: Counters  # the process's, cumulative, at the end
 
 
 def read_records(directory: Path) -> list[Record]:
-    """Every complete line of every ``*.rec`` file in ``directory``."""
-    records = []
+    found = []
     for path in sorted(directory.glob("*.rec")):
-        pid = int(path.stem)
         for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) != 5 + len(COUNTER_NAMES):
-                continue  # a line still being written (cannot happen with O_APPEND; be safe)
-            name, tid, start, end, cpu, *counts = parts
-            records.append(
-                Record(
-                    pid=pid,
-                    name=name,
-                    task_id=None if tid == "-" else int(tid),
-                    start=float(start),
-                    end=float(end),
-                    cpu=float(cpu),
-                    counters=Counters(*(int(c) for c in counts)),
-                )
-            )
-    return records
+            name, tid, start, end, cpu, *counts = line.split()
+            times = float(start), float(end), float(cpu)
+            task_id = None if tid == "-" else int(tid)
+            found.append(Record(int(path.stem), name, task_id, *times, Counters(*map(int, counts))))
+    return found
 
 
 def counters_between(records: list[Record], since: float, until: float) -> Counters:
-    """Requests all processes made between two instants, from their cumulative counters.
-
-    Per process: the highest counters recorded by ``until`` minus the highest recorded by
-    ``since`` (zero when the process had recorded nothing yet). Work a process did after
-    its last record before ``until`` is not seen; the caller picks ``until`` at the last
-    task of the run, so only requests of an unfinished poll can be missed.
-    """
+    """Requests of all processes between two instants, from their cumulative counters."""
     total = Counters()
     for pid in {r.pid for r in records}:
-        before, after = Counters(), Counters()
-        for record in (r for r in records if r.pid == pid):
-            if record.end <= since:
-                before = before.elementwise_max(record.counters)
-            if record.end <= until:
-                after = after.elementwise_max(record.counters)
-        total = total + (after - before)
+        mine = [r for r in records if r.pid == pid]
+        before = latest(r.counters for r in mine if r.end <= since)
+        after = latest(r.counters for r in mine if r.end <= until)
+        total = Counters(*(t + d for t, d in zip(total, after.minus(before), strict=True)))
     return total
 
 
 def percentile(values: list[float], fraction: float) -> float:
-    """The nearest-rank percentile (no interpolation: every figure is a measured value)."""
+    """Nearest rank: every figure is a measured value."""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = min(len(ordered), max(1, math.ceil(fraction * len(ordered))))
-    return ordered[rank - 1]
+    return ordered[min(len(ordered), max(1, math.ceil(fraction * len(ordered)))) - 1]
+
+
+# -- in the measured processes -------------------------------------------------------------
+
+
+def install() -> None:
+    """Every hook, if this process is one the bench measures."""
+    record_dir = os.environ.get(RECORD_DIR)
+    if not record_dir:
+        return
+    count_requests()
+    writer = RecordWriter(record_dir)
+    from celery.signals import (
+        beat_embedded_init,
+        task_postrun,
+        task_prerun,
+        worker_init,
+        worker_ready,
+    )
+
+    started: dict[str, tuple[float, float]] = {}  # a dict's set and pop are atomic
+
+    def prerun(task_id: str, **_: Any) -> None:
+        started[task_id] = (time.time(), time.thread_time())
+
+    def postrun(task_id: str, task: Any, args: Any = None, **_: Any) -> None:
+        end, cpu = time.time(), time.thread_time()
+        start, cpu0 = started.pop(task_id, (end, cpu))
+        first = args[0] if args else None
+        phorge_id = first if type(first) is int else None
+        writer.write(task.name, phorge_id, start, end, cpu - cpu0, counters=COUNTERS.snapshot())
+
+    def mark(directory: str | None, suffix: str = "") -> None:
+        if directory:
+            open(os.path.join(directory, f"{os.getpid()}{suffix}"), "w").close()
+
+    task_prerun.connect(prerun, weak=False)
+    task_postrun.connect(postrun, weak=False)
+    worker_ready.connect(lambda **_: mark(os.environ.get(READY_DIR)), weak=False)
+    beat_embedded_init.connect(lambda **_: mark(record_dir, BEAT_SUFFIX), weak=False)
+    if os.environ.get(BRIDGE_RUNS):
+        from benchkit import bridge_api
+
+        # In the worker's main process, before the pool forks.
+        worker_init.connect(lambda **_: record_runs(writer, bridge_api.RUN_RECORD), weak=False)
+
+
+def record_runs(writer: RecordWriter, name: str) -> None:
+    """A record ``name`` for each Phorge task run in this process (a message may carry several)."""
+    from benchkit import bridge_api
+
+    runs: dict[int, tuple[float, float]] = {}
+
+    def started(task_id: int) -> None:
+        runs[task_id] = (time.time(), time.thread_time())
+
+    def ended(task_id: int) -> None:
+        end, cpu = time.time(), time.thread_time()
+        start, cpu0 = runs.pop(task_id, (end, cpu))
+        writer.write(name, task_id, start, end, cpu - cpu0, counters=COUNTERS.snapshot())
+
+    bridge_api.observe_runs(started, ended)
+
+
+def count_requests() -> None:
+    """Wrap MySQLdb's methods that each make one round trip."""
+    from MySQLdb.connections import Connection
+    from MySQLdb.cursors import BaseCursor
+
+    query, execute = Connection.query, BaseCursor.execute
+    inside = threading.local()  # in a cursor execute: counted by its SQL text already
+
+    def counted_query(self: Any, sql: Any) -> Any:
+        if not getattr(inside, "on", False):
+            count_query(sql)
+        return query(self, sql)
+
+    def counted_execute(self: Any, sql: Any, args: Any = None) -> Any:
+        count_query(sql)  # the template (str), or executemany's finished bulk insert
+        inside.on = True
+        try:
+            return execute(self, sql, args)
+        finally:
+            inside.on = False
+
+    def counting(method: Any, commits: int) -> Any:
+        def counted(self: Any, *args: Any) -> Any:
+            COUNTERS.bump(0, commits)
+            return method(self, *args)
+
+        return counted
+
+    Connection.query, BaseCursor.execute = counted_query, counted_execute  # type: ignore[method-assign]
+    for name in ("commit", "rollback", "ping", "autocommit"):
+        setattr(Connection, name, counting(getattr(Connection, name), int(name == "commit")))
+
+
+if __name__ == "__main__":  # the SQL loop ceiling: python3 -m benchkit.records READY RECORDS
+    from benchkit import bridge_api
+    from benchkit import records as hooked  # the copy sitecustomize loaded, whose COUNTERS count
+
+    hooked.record_runs(hooked.RecordWriter(sys.argv[2]), bridge_api.SQL_LOOP_RECORD)
+    bridge_api.sql_loop(Path(sys.argv[1]))

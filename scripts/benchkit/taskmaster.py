@@ -1,45 +1,32 @@
 """A reference taskmaster: Phorge's PHP taskmaster loop, statement for statement, in Python.
 
-    python3 -m benchkit.taskmaster --port 3309 --records DIR --ready FILE
+    python3 -m benchkit.taskmaster --port 3309 --user U --password P --database D \
+        --records DIR --ready FILE
 
-It gives the bridge's figures a baseline on the same machine and database without
-needing PHP: what one ``PhabricatorTaskmasterDaemon`` does to the database per task.
-It mirrors, as of Phorge 07c1a51310 (``src/infrastructure/daemon/workers/``):
+A baseline on the same machine and database without PHP: what one
+``PhabricatorTaskmasterDaemon`` does to the database per task, as of Phorge 07c1a51310
+(``src/infrastructure/daemon/workers/``):
 
-- ``PhabricatorTaskmasterDaemon.php`` ``run()``: lease ONE task
-  (``PhabricatorWorkerLeaseQuery->setLimit(1)``), execute it, then ``sleep(0)``; when
-  nothing was leased, ``sleep(1)``: a whole second (``PhutilDaemon::sleep`` calls PHP's
-  ``sleep(min($duration, 60))``, woken early only by the overseer's SIGUSR2, which
-  enqueueing does not send).
-- ``query/PhabricatorWorkerLeaseQuery.php`` ``execute()``: phase "unleased"
-  (``leaseOwner IS NULL ORDER BY priority ASC, id ASC LIMIT 1``), then only if that
-  leased nothing, phase "expired" (``leaseExpires < UNIX_TIMESTAMP() ORDER BY
-  leaseExpires ASC``); each a SELECT of ``id, leaseOwner`` then an UPDATE repeating the
-  condition (``leaseOwner IS NULL AND id IN (...)``, or ``(id = %d AND leaseOwner = %s)``)
-  that sets ``leaseOwner`` and ``leaseExpires = UNIX_TIMESTAMP() + 7200``; the affected
-  row count decides; then the final ``SELECT task.*, taskdata.data _taskData,
-  UNIX_TIMESTAMP() _serverTime ... LEFT JOIN ... WHERE task.leaseOwner = %s AND
-  leaseExpires > UNIX_TIMESTAMP()`` with the last phase's ORDER BY and the LIMIT. The
-  owner is ``getLeaseOwnershipName()``: ``pid:time:host:sequence``, host cut to 32 bytes.
-- ``storage/PhabricatorWorkerActiveTask.php`` ``executeTask()``: ``checkLease()`` from
-  the server time read at lease plus local elapsed time (no query), the run timed in
-  microseconds, then ``archiveTask()``, i.e. ``PhabricatorWorkerArchiveTask::save()``:
-  ``START TRANSACTION``, ``DELETE FROM worker_activetask WHERE id = %d``, ``INSERT INTO
-  worker_archivetask (...)`` with ``dateModified = archivedEpoch = time()``, ``COMMIT``.
-- ``__tests__/PhabricatorTestWorker.php``: ``usleep(duration * 1000000)``.
+- ``PhabricatorTaskmasterDaemon::run()``: lease ONE task, execute it, ``sleep(0)``; when
+  nothing was leased, ``sleep(1)``, a whole second (enqueueing wakes nothing).
+- ``PhabricatorWorkerLeaseQuery::execute()``: phase "unleased" (``leaseOwner IS NULL
+  ORDER BY priority, id LIMIT 1``), and only if that leased nothing phase "expired"
+  (``leaseExpires < UNIX_TIMESTAMP() ORDER BY leaseExpires``); each a SELECT of ``id,
+  leaseOwner``, then an UPDATE repeating the condition that sets the owner and
+  ``leaseExpires = UNIX_TIMESTAMP() + 7200`` (the affected rows decide); then ``SELECT
+  task.*, taskdata.data _taskData, UNIX_TIMESTAMP() _serverTime ... LEFT JOIN`` on the
+  owner. The owner is ``getLeaseOwnershipName()``: ``pid:time:host:sequence``.
+- ``PhabricatorWorkerActiveTask::executeTask()``: ``checkLease()`` from the server time
+  read at lease (no query), the run timed in microseconds, then ``archiveTask()``:
+  ``START TRANSACTION``, ``DELETE`` the active row, ``INSERT`` the archive row, ``COMMIT``.
+- ``PhabricatorTestWorker``: ``usleep(duration * 1000000)``.
 
-One connection, autocommit on (as PHP's mysqli), kept for the whole run. Statements are
-sent as text with client-side quoting, as ``qsprintf`` does.
-
-What differs, deliberately: there is no overseer (no heartbeat lines on stdout, no
-``daemon_log`` rows, no pool autoscaling or hibernation), no PHP interpreter (so the CPU
-per task is Python's, not PHP's: compare round trips and commits, not CPU), and it
-records, per task, when it started and archived it (``records.RecordWriter``), with
-the request counts the bench's ``hook`` keeps when loaded (it is, under the bench).
-Only the success path is mirrored, the one the bench's tasks (a no-op or a sleep) take:
-not the test worker's failures (``doWork``) and policy overrides (retry count, required
-lease, retry wait), the retry's UPDATE, or yields; a task that fails ends the process,
-which the bench reports. SIGTERM ends it at once; every record is already on disk.
+One connection, autocommit on (as PHP's mysqli), statements sent as text with client-side
+quoting (as ``qsprintf``). Deliberately left out: the overseer (heartbeats,
+``daemon_log`` rows, autoscaling), PHP itself (its CPU per task is Python's: compare
+round trips and commits, not CPU), and all but the success path the bench's tasks take
+(a failing task ends the process, which the bench reports). It writes a record per task
+(``records.RecordWriter``). SIGTERM ends it at once.
 """
 
 from __future__ import annotations
@@ -56,8 +43,7 @@ from typing import Any
 
 import MySQLdb
 
-from benchkit import hook
-from benchkit.records import RecordWriter
+from benchkit.records import COUNTERS, RecordWriter
 
 DEFAULT_LEASE = 2 * 60 * 60  # PhabricatorWorkerLeaseQuery::getDefaultLeaseDuration
 IDLE_SLEEP = 1  # PhabricatorTaskmasterDaemon: "When there's no work, sleep for one second."
@@ -214,26 +200,18 @@ def run(db: Connection, records: RecordWriter) -> None:
         execute_task(db, task)
         ended = time.time()
         cpu = time.thread_time() - cpu
-        records.write("taskmaster", task.id, started, ended, cpu, hook.counters().snapshot())
+        records.write("taskmaster", task.id, started, ended, cpu, counters=COUNTERS.snapshot())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--user", default="bench")
-    parser.add_argument("--password", default="bench")
-    parser.add_argument("--database", default="phabricator_worker")
-    parser.add_argument("--records", required=True, help="directory for the per-task records")
-    parser.add_argument("--ready", required=True, help="file created once connected")
+    for flag in ("--port", "--user", "--password", "--database", "--records", "--ready"):
+        parser.add_argument(flag, required=True)
     args = parser.parse_args()
     conn = MySQLdb.connect(
-        host="127.0.0.1",
-        port=args.port,
-        user=args.user,
-        password=args.password,
-        db=args.database,
-        charset="utf8mb4",
-    )
+        host="127.0.0.1", port=int(args.port), user=args.user, password=args.password,
+        db=args.database, charset="utf8mb4",
+    )  # fmt: skip
     conn.autocommit(True)
     Path(args.ready).touch()
     run(Connection(conn), RecordWriter(args.records))

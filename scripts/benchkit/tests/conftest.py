@@ -1,26 +1,27 @@
-"""Fixtures of the bench kit's own tests, which ``pytest`` runs with the product's suite
-(``testpaths`` in pyproject.toml).
-
-Outside ``tests/``, they see none of ``tests/conftest.py``'s fixtures; the database comes
-from the same helpers (``tests/helpers/services.py``), on the tests' MariaDB. A test that
-uses it carries the ``mariadb`` marker itself (``pytestmark``).
-"""
+"""Fixtures of the kit's own tests (``testpaths`` in pyproject.toml). Outside ``tests/``,
+they see none of its fixtures; the database comes from the same helpers, on the tests'
+MariaDB (a test that uses it carries the ``mariadb`` marker itself)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import MySQLdb
 import pytest
-import sqlalchemy as sa
 from services import MYSQL_URL, create_mysql_engine, database, service_url
 
 
 @pytest.fixture
-def mysql_database() -> Iterator[sa.Engine]:
-    """An engine on a fresh, empty database of the tests' MariaDB, dropped afterwards."""
+def mysql_conn() -> Iterator[MySQLdb.Connection]:
+    """A MySQLdb connection (autocommit on) to a fresh database, dropped afterwards."""
     server = create_mysql_engine(service_url(MYSQL_URL))
     try:
         with database(server, create_tables=False) as engine:
-            yield engine
+            url = engine.url
+            login = {"user": url.username, "password": url.password or "", "db": url.database}
+            conn = MySQLdb.connect(host=url.host, port=url.port or 3306, charset="utf8mb4", **login)
+            conn.autocommit(True)
+            yield conn
+            conn.close()
     finally:
         server.dispose()
