@@ -13,6 +13,7 @@ import functools
 import importlib
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,9 +21,6 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
 from bridge.errors import ConfigError
-from bridge.phorge.conduit import ConduitSettings, validate_base_url, validate_token
-from bridge.phorge.runner_pool import RunnerSettings
-from bridge.phorge.runner_process import RunnerCommand
 from bridge.routing import Router, Rule, parse_queue_name, parse_rules
 
 __all__ = [
@@ -35,6 +33,80 @@ __all__ = [
     "explain",
     "load_settings",
 ]
+
+
+# -- the transports' settings, as their code takes them ---------------------------------
+
+DEFAULT_CONNECT_TIMEOUT = 5.0
+# A proxied worker runs inside this one HTTP request; cutting it short while PHP carries on
+# invites a second run, so the default is generous (Phorge's own daemons have no limit).
+DEFAULT_READ_TIMEOUT = 600.0
+# Phorge's PhabricatorConduitToken types: "api-", "cli-", "clr-" and 32 characters in all.
+_TOKEN_RE = re.compile(r"\A(?:api|cli|clr)-[A-Za-z0-9]{28}\Z")
+
+
+def validate_base_url(url: str) -> str:
+    """Phorge's base URI without a trailing slash; raises ValueError saying what is wrong."""
+    url = url.strip()
+    if not url:
+        raise ValueError("Phorge's base URI must not be empty")
+    parts = urlsplit(url)
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URI of Phorge, got {url!r}")
+    if parts.username or parts.password:
+        raise ValueError("must not carry credentials; the API token is a setting of its own")
+    if parts.query or parts.fragment:
+        raise ValueError(f"must not have a query or fragment, got {url!r}")
+    path = parts.path.rstrip("/")
+    if path.endswith("/api"):
+        raise ValueError(
+            "give Phorge's base URI (e.g. https://phorge.example.com), not its /api/ endpoint"
+        )
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def validate_token(token: str) -> str:
+    """Check the shape Phorge requires of an API token; the message never repeats the token."""
+    token = token.strip()
+    if not token:
+        raise ValueError("the API token must not be empty")
+    if not _TOKEN_RE.match(token):
+        raise ValueError(
+            "not a Phorge API token (expected 32 characters starting with "
+            "'api-', 'cli-' or 'clr-'; the value is not shown)"
+        )
+    return token
+
+
+@dataclass(frozen=True)
+class ConduitSettings:
+    """How to reach Phorge's Conduit API (``bridge.config`` reads and checks them)."""
+
+    url: str
+    token: str = field(repr=False)
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    verify_tls: bool = True
+    # The proxy's: tasks per worker.execute request, and requests in flight per worker.
+    batch: int = 16
+    max_requests: int = 1
+    # The setting the token came from, for messages that ask an operator to fix it.
+    token_setting: str = "BRIDGE_CONDUIT_TOKEN"
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """The PHP runner's settings (``BRIDGE_PHORGE_ROOT`` and the ``BRIDGE_RUNNER_*`` ones):
+    the PHP binary, the Phorge checkout it bootstraps, and the rules retiring a process."""
+
+    php: str
+    phorge_root: Path
+    classes: tuple[str, ...]
+    max_tasks: int
+    max_age: float
+    max_rss: int
+    reload_stamp: Path | None = None
+
 
 T = TypeVar("T")
 
@@ -448,7 +520,8 @@ class Settings:
             return None
         stamp = self.runner_reload_stamp
         return RunnerSettings(
-            command=RunnerCommand(self.runner_php, Path(self.phorge_root)),
+            php=self.runner_php,
+            phorge_root=Path(self.phorge_root),
             classes=self.runner_classes,
             max_tasks=self.runner_max_tasks,
             max_age=self.runner_max_age,

@@ -2,7 +2,8 @@
 
 Every error lives here, whichever layer raises it, and is importable from ``bridge``:
 this module imports nothing of the bridge, so every layer can raise them. The modules
-that raise them import them from here (and still offer them under their old names).
+that raise them import them from here, and only the handler API re-exports its outcome
+exceptions (``bridge.handlers.api``).
 
 ``ConfigError`` is also a ``ValueError`` (a bad value is what it is), and names the setting
 first, so the last line of any traceback says which variable to fix.
@@ -109,7 +110,7 @@ class WritesRefused(DatabaseUnavailable):
     and nothing will be until an operator or a failover ends it."""
 
 
-# -- Phorge's side: Conduit (``bridge.phorge.conduit``) --------------------------------------
+# -- the Conduit transport (``bridge.transports.conduit.client``) -------------------------
 
 
 class ConduitError(BridgeError):

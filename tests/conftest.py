@@ -30,6 +30,7 @@ if not os.environ.get("PHORGE_ROOT"):
         "integration/test_phorge_interop.py",
         "integration/test_conduit_phorge.py",
         "integration/test_php_runner_phorge.py",
+        "integration/test_php_task_spec.py",
     ]
 
 # Fixtures that reach each service, for marking tests (pytest -m "not mariadb").

@@ -18,25 +18,29 @@ from typing import Any, Literal, cast
 
 from sqlalchemy import Engine, inspect
 
+from bridge.assembly import build_registry
 from bridge.cli.service_errors import driver_error, first_line
 from bridge.config import ConfigError, Settings, load_settings
-from bridge.handlers.conduit_proxy import ConduitProxyHandler
-from bridge.handlers.registry import Registry, build_registry
-from bridge.phorge import extension as phorge_extension
-from bridge.phorge.conduit import (
+from bridge.errors import (
     ConduitAuthError,
-    ConduitClient,
     ConduitError,
     ConduitMethodNotFoundError,
+    RunnerBootError,
+    WritesRefused,
 )
+from bridge.handlers.api import TaskContext
+from bridge.handlers.registry import Registry
+from bridge.phorge import extension as phorge_extension
 from bridge.phorge.extension import VERSION_METHOD, shipped_sha256, shipped_version
-from bridge.phorge.runner_process import RunnerBootError, RunnerProcess
 from bridge.queue import PhorgeQueue
 from bridge.queue import statements as sql
 from bridge.queue.beat_lock import beat_lock_holder
 from bridge.queue.dialect import is_mysql
-from bridge.queue.retry import WritesRefused
 from bridge.queue.schema import metadata
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.handler import ConduitProxyHandler
+from bridge.transports.php_runner.process import RunnerCommand, RunnerProcess
+from bridge.transports.task_run import execute_params
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -377,6 +381,11 @@ RUNNER_TIMEOUT = 30.0
 RUNNER_OFF = "not applicable (the PHP runner is off: BRIDGE_PHORGE_ROOT is not set)"
 
 
+# The task the runner is asked to describe: a whole spec, as a worker sends one (the PHP
+# side refuses a spec missing a field).
+PROBE_SPEC = execute_params(TaskContext(1, "PhabricatorWorker", [], 0, 0, raw_data="[]"))
+
+
 def check_php_runner(doctor: Doctor) -> Check:
     """The PHP binary, its version, that the checkout bootstraps and that a runner answers:
     one runner started as a worker starts it, asked to describe a class."""
@@ -385,17 +394,14 @@ def check_php_runner(doctor: Doctor) -> Check:
     runner = doctor.settings.runner
     if runner is None:
         return Check("php runner", "ok", RUNNER_OFF)
-    command = runner.command
+    command = RunnerCommand(runner.php, runner.phorge_root)
     started = time.monotonic()
     try:
         process = RunnerProcess(command)
         try:
             process.ready(RUNNER_TIMEOUT)
             booted = time.monotonic() - started
-            answer = process.request(
-                {"op": "describe", "task": {"taskID": 1, "taskClass": "PhabricatorWorker"}},
-                RUNNER_TIMEOUT,
-            )
+            answer = process.request({"op": "describe", "task": PROBE_SPEC}, RUNNER_TIMEOUT)
         finally:
             process.stop()
     except RunnerBootError as exc:
@@ -422,7 +428,7 @@ def check_php_extension_files(doctor: Doctor) -> Check:
     assert doctor.settings is not None
     if doctor.settings.runner is None:
         return Check("php extension files", "ok", RUNNER_OFF)
-    status = phorge_extension.check(doctor.settings.runner.command.phorge_root)
+    status = phorge_extension.check(doctor.settings.runner.phorge_root)
     if status:
         return Check("php extension files", "ok", status.describe())
     return Check(

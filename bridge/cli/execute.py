@@ -28,8 +28,10 @@ def ordered(tasks: list[Task], ids: Sequence[int] | None) -> list[Task]:
     return sorted(tasks, key=lambda t: t.id)
 
 
-def refusal(queue: PhorgeQueue, task: Task, retry: bool, repeat: bool) -> str | None:
-    """Why ``task`` is not executed, or None once it is active and due."""
+def make_due(queue: PhorgeQueue, task: Task, retry: bool, repeat: bool) -> str | None:
+    """Make ``task`` active and due, as ``bin/worker execute`` does (unarchive it with
+    ``retry``, end its delay, yield or wait); returns why it is not executed, or None
+    once it is ready to lease."""
     one = TaskFilter(ids=[task.id])
     actions = OperatorActions(queue)
     if task.archived:
@@ -66,7 +68,7 @@ def execute_tasks(
             raise ValueError(f'No task with ID "{missing[0]}" matches the constraints!')
     all_done = True
     for task in tasks:
-        reason = refusal(queue, task, retry, repeat)
+        reason = make_due(queue, task, retry, repeat)
         if reason is not None:
             echo(f"{task.label}: {reason}")
             all_done = all_done and reason.startswith(("ARCHIVED", "SUCCEEDED"))
@@ -78,10 +80,10 @@ def execute_tasks(
             echo(f"{task.label}: LEASED: another consumer leased it meanwhile")
             all_done = False
             continue
-        held = leased[0]
-        trace = TaskTrace(held.id, held.task_class, held.lease.owner, new_traceparent())
+        lease = leased[0]
+        trace = TaskTrace(lease.id, lease.task_class, lease.lease.owner, new_traceparent())
         with traced(trace):
-            ran = run_task(rt, held.lease, None, trace.traceparent, held.task_class)
-        echo(f"{ran.describe(held.label)} [traceparent={trace.traceparent}]")
-        all_done = all_done and ran.outcome is Outcome.SUCCESS
+            report = run_task(rt, lease.lease, None, trace.traceparent, lease.task_class)
+        echo(f"{report.describe(lease.label)} [traceparent={trace.traceparent}]")
+        all_done = all_done and report.outcome is Outcome.SUCCESS
     return all_done

@@ -19,6 +19,7 @@ from typing import IO, Any, TypeVar
 import click
 
 from bridge._version import __version__
+from bridge.assembly import build_registry, build_runtime
 from bridge.cli import bulk, history, tasks
 from bridge.cli import demo as embedded
 from bridge.cli import doctor as checks
@@ -26,9 +27,7 @@ from bridge.cli.execute import execute_tasks as run_selected
 from bridge.cli.service_errors import ServiceErrorsGroup, broker_problem
 from bridge.cli.watch import watch
 from bridge.config import SETTINGS, ConfigError, Settings, explain, load_settings
-from bridge.engine.context import build_runtime
 from bridge.engine.tracing import tag_log_lines
-from bridge.handlers.registry import build_registry
 from bridge.phorge import extension as phorge_extension
 from bridge.queue import OperatorActions, PhorgeQueue
 from bridge.queue.model import ActionResult, QueueStats, TaskFilter

@@ -19,8 +19,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from bridge.config import Settings, load_settings
+from bridge.errors import DatabaseUnavailable
 from bridge.queue import retry
-from bridge.queue.retry import DatabaseUnavailable
 
 DATABASE_ERRORS = (SQLAlchemyError, DatabaseUnavailable)
 MISSING_TABLE_WORDS = ("no such table", "doesn't exist")  # SQLite's, MySQL's (1146)

@@ -1,17 +1,30 @@
-"""The engine: lease, run and report Phorge tasks, with no Celery in sight.
+"""The engine: lease, run and report Phorge tasks, with no Celery, transport or metrics
+library in sight.
 
-``context`` builds the per-process runtime (queue, registry, lease keeper), ``poll``
-plans and leases a poll, ``run`` runs one leased task, ``batch`` runs a message's tasks
-and writes their outcomes, ``lease_keeper``, ``tracing`` and ``metrics`` serve them.
-The Celery tasks in ``bridge.runtime`` are thin wrappers around it, and the CLI and
-the benchmark use it directly, through the seams importable from here: ``build_runtime``,
-``run_task``, ``Batch``, ``poll_once``, and ``observe`` with a ``RunObserver``. Importing
-it reads no environment: settings are read when the first runtime is built, or passed in.
+``context`` holds a process's runtime (queue, registry, lease keeper, write gate),
+``poll`` plans and leases a poll, ``run`` prepares and runs leased tasks, ``batch`` runs
+a message's tasks and writes their outcomes, ``observers`` tells whoever listens what
+happened; ``lease_keeper``, ``writes``, ``pace``, ``standby`` and ``tracing`` serve them.
+The Celery tasks in ``bridge.runtime`` are thin wrappers around it, and the CLI and the
+benchmark use it directly, through the seams importable from here: ``Runtime`` (built
+with ``bridge.assembly.build_runtime``, or ``open_runtime`` with a registry of your
+own), ``poll_once``, ``Batch``, ``run_task``, ``RunReport``, and ``observe`` with a
+``RunObserver``. Importing it reads no environment.
 """
 
 from bridge.engine.batch import Batch, run_task
-from bridge.engine.context import build_runtime
+from bridge.engine.context import Runtime, open_runtime
+from bridge.engine.observers import RunObserver, observe
 from bridge.engine.poll import poll_once
-from bridge.engine.run import RunObserver, observe
+from bridge.engine.run import RunReport
 
-__all__ = ["Batch", "RunObserver", "build_runtime", "observe", "poll_once", "run_task"]
+__all__ = [
+    "Batch",
+    "RunObserver",
+    "RunReport",
+    "Runtime",
+    "observe",
+    "open_runtime",
+    "poll_once",
+    "run_task",
+]

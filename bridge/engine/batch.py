@@ -15,11 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bridge.engine.context import Runtime
-from bridge.engine.metrics import UNWRITTEN, outcome_counter
-from bridge.engine.run import Done, Ran, Ready, execute, observers, prepare, retry_wait
+from bridge.engine.observers import observers
+from bridge.engine.run import (
+    ClearedTask,
+    Ended,
+    PendingOutcome,
+    RunReport,
+    prepare,
+    retry_wait,
+    run_cleared,
+)
 from bridge.engine.tracing import TaskTrace, traced
 from bridge.errors import DatabaseUnavailable, WritesRefused
 from bridge.handlers.api import Handler
+from bridge.handlers.capabilities import batch_limit, runs_together
 from bridge.queue import Lease, Outcome, Task
 from bridge.queue.model import Leased
 from bridge.queue.session import (
@@ -35,18 +44,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Finished:
-    """A finished run and its guarded write (None: a success with follow-ups, which is
-    written on its own with their ids), waiting to be written."""
+class StagedOutcome:
+    """A pending outcome with its guarded write (None: a success with follow-ups, which is
+    written on its own with their ids), waiting for its round trip."""
 
     item: Leased
-    done: Done
+    pending: PendingOutcome
     write: Write | None
     wait: int | None
 
     @classmethod
-    def of(cls, rt: Runtime, item: Leased, done: Done) -> Finished:
-        lease, result = done.lease, done.result
+    def of(cls, rt: Runtime, item: Leased, pending: PendingOutcome) -> StagedOutcome:
+        lease, result = pending.lease, pending.result
         wait = None
         match result.outcome:
             case Outcome.SUCCESS:
@@ -59,22 +68,23 @@ class Finished:
             case Outcome.HANDED_BACK:
                 write = handed_back(lease)
             case _:
-                assert done.ctx is not None
-                wait = retry_wait(rt, done.ctx, result.delay)
+                assert pending.ctx is not None
+                wait = retry_wait(rt, pending.ctx, result.delay)
                 write = temporary_failure(lease, wait)
-        return cls(item, done, write, wait)
+        return cls(item, pending, write, wait)
 
     def write_alone(self, rt: Runtime) -> bool:
-        session, lease, result = rt.queue.session, self.done.lease, self.done.result
+        session, lease, result = rt.queue.session, self.pending.lease, self.pending.result
         if self.write is None:
             return session.complete(lease, result.duration_us, result.followups)
         return session.apply([self.write])[0]
 
-    def verdict(self, written: bool | Exception) -> Ran:
+    def report(self, written: bool | Exception) -> RunReport:
         """How the run ended, once its outcome's write was tried."""
-        result, task_id = self.done.result, self.done.lease.task_id
+        result, task_id = self.pending.result, self.pending.lease.task_id
         if isinstance(written, Exception):
-            UNWRITTEN.labels(self.item.task_class or "unknown", result.outcome.value).inc()
+            for observer in observers():
+                observer.outcome_unwritten(self.item, result)
             log.error(
                 "task %d: outcome %s not written; the lease will expire (%s)",
                 task_id,
@@ -82,29 +92,32 @@ class Finished:
                 written,
                 exc_info=None if isinstance(written, DatabaseUnavailable) else written,
             )
-            return Ran(Outcome.UNREPORTED, f"{result.outcome} not written: {written}")
+            return RunReport(Outcome.UNREPORTED, f"{result.outcome} not written: {written}")
         if not written:
-            return Ran(Outcome.LEASE_LOST, f"{result.outcome} not written: the lease was lost")
+            return RunReport(
+                Outcome.LEASE_LOST, f"{result.outcome} not written: the lease was lost"
+            )
         if result.outcome is Outcome.PERMANENT_FAILURE:
             log.warning("task %d failed permanently: %s", task_id, result.reason)
-        return Ran(result.outcome, result.reason, self.wait, result.error)
+        return RunReport(result.outcome, result.reason, self.wait, result.error)
 
 
 class Batch:
     """Runs leased tasks of one owner in order, each checked just before it runs.
 
-    A task's outcome is written, in its own committed transaction, in the round trip
-    that checks the next task: a batch costs one round trip a task, plus one for the
-    last outcome, and nothing runs before the outcome of the task before it is durable.
-    A handler that takes several tasks at once (``Handler.batch_limit``) gets a run of
-    consecutive tasks it serves, checked together before the call; their outcomes are
-    written together after it.
+    A task's outcome is staged, then written, in its own committed transaction, in the
+    round trip that checks the next task: a batch costs one round trip a task, plus one
+    for the last outcome, and nothing runs before the outcome of the task before it is
+    durable. A transport handler that takes several tasks in one call (a
+    :class:`~bridge.handlers.capabilities.BatchHandler`) gets a run of consecutive tasks
+    it serves, checked together before the call; their outcomes are written together
+    after it.
     """
 
     def __init__(self, rt: Runtime, owner: str, traceparent: str | None) -> None:
         self.rt, self.owner, self.traceparent = rt, owner, traceparent
-        self.pending: list[Finished] = []  # outcomes to write, each with its write
-        self.ran: list[tuple[Leased, Ran, str]] = []  # and each one's line
+        self.staged: list[StagedOutcome] = []  # outcomes waiting for their round trip
+        self.reports: list[tuple[Leased, RunReport, str]] = []  # and each one's line
 
     def run(self, items: Sequence[Leased], budget: float | None = None) -> list[Leased]:
         """Run ``items``; once ``budget`` seconds have passed, or once the database refuses
@@ -126,7 +139,7 @@ class Batch:
                 gate.wait_open(self.rt.settings.dispatch_lease)
             group = self.group(items, index)
             try:
-                self.step(group)
+                self.run_group(group)
             except WritesRefused as exc:
                 gate.refused(exc)
                 if index:
@@ -135,8 +148,8 @@ class Batch:
                 self.unreported(items, f"not started: {exc}; the lease will expire")
                 return []
             except DatabaseUnavailable as exc:
-                pending, self.pending = self.pending, []
-                self.settle(pending, [exc] * len(pending))
+                staged, self.staged = self.staged, []
+                self.report_writes(staged, [exc] * len(staged))
                 self.unreported(
                     items[index:], f"database unavailable ({exc}); the lease will expire"
                 )
@@ -155,7 +168,7 @@ class Batch:
         handler = self.handler_of(items[index])
         end = index + 1
         if handler is not None and runs_together(handler):
-            limit = min(len(items), index + handler.batch_limit)
+            limit = min(len(items), index + batch_limit(handler))
             while (
                 end < limit
                 and (cls := items[end].task_class)
@@ -167,12 +180,12 @@ class Batch:
     def unreported(self, items: Sequence[Leased], reason: str) -> None:
         for item in items:
             with traced(self.trace(item)):
-                self.record(item, Ran(Outcome.UNREPORTED, reason))
+                self.report(item, RunReport(Outcome.UNREPORTED, reason))
 
     def trace(self, item: Leased) -> TaskTrace:
         return TaskTrace(item.id, item.task_class, self.owner, self.traceparent or "")
 
-    def step(self, group: Sequence[Leased]) -> None:
+    def run_group(self, group: Sequence[Leased]) -> None:
         """Check, run and stage the outcomes of one handler call's tasks."""
         leases = [Lease(item.id, self.owner, item.failure_count) for item in group]
         checked = [self.check(group[0], leases[0])]
@@ -181,141 +194,125 @@ class Batch:
             session.held(lease, item.data)
             for item, lease in zip(group[1:], leases[1:], strict=True)
         ]
-        cleared: list[tuple[Leased, Ready]] = []
+        cleared: list[tuple[Leased, ClearedTask]] = []
         for item, lease, task in zip(group, leases, checked, strict=True):
             with traced(self.trace(item)):
-                ready = prepare(self.rt, lease, task, self.traceparent)
-                if isinstance(ready, Ready):
-                    cleared.append((item, ready))
+                prepared = prepare(self.rt, lease, task, self.traceparent)
+                if isinstance(prepared, ClearedTask):
+                    cleared.append((item, prepared))
                 else:
-                    self.ended(item, ready)
+                    self.stage(item, prepared)
         if not cleared:
             return
         with traced(self.trace(cleared[0][0])):
-            runs = execute(self.rt, [ready for _, ready in cleared])
+            runs = run_cleared(self.rt, [task for _, task in cleared])
         for (item, _), ended in zip(cleared, runs, strict=True):
             with traced(self.trace(item)):
-                self.ended(item, ended)
+                self.stage(item, ended)
 
-    def ended(self, item: Leased, ended: Ran | Done) -> None:
-        """Record a final run; stage an outcome to write (a success with follow-ups is
-        written at once, alone, with their ids)."""
-        if isinstance(ended, Ran):
-            self.record(item, ended)
+    def stage(self, item: Leased, ended: Ended) -> None:
+        """Report a run that has nothing to write; stage an outcome to write (a success
+        with follow-ups is written at once, alone, with their ids)."""
+        if isinstance(ended, RunReport):
+            self.report(item, ended)
             return
         try:
-            finished = Finished.of(self.rt, item, ended)
+            staged = StagedOutcome.of(self.rt, item, ended)
         except ValueError as exc:  # a duration or wait out of Phorge's range
-            self.record(item, Finished(item, ended, None, None).verdict(exc))
+            self.report(item, StagedOutcome(item, ended, None, None).report(exc))
             return
-        if finished.write is not None:
-            self.pending.append(finished)
-            return
-        try:
-            written: bool | Exception = finished.write_alone(self.rt)
-        except WritesRefused as exc:
-            written = self.hold([finished], exc)[0]
-        except Exception as exc:
-            written = exc
-        self.settle([finished], [written])
+        if staged.write is not None:
+            self.staged.append(staged)
+        else:
+            self.report_writes([staged], self.write([staged]))
 
     def defers(self, item: Leased) -> bool:
-        """Whether the pending outcomes wait for ``item``'s: they and it are of one
-        handler that runs its tasks one by one and whose outcomes share a commit (the PHP
-        runner), fewer than its ``batch_limit`` so far. Each such task is still checked
-        just before it runs, its lease counted from there."""
+        """Whether the staged outcomes wait for ``item``'s: they and it are of one
+        transport handler that runs its tasks one by one and whose outcomes share a commit
+        (the PHP runner), fewer than its ``batch_limit`` so far. Each such task is still
+        checked just before it runs, its lease counted from there."""
         handler = self.handler_of(item)
         return (
             handler is not None
             and not runs_together(handler)
-            and len(self.pending) < handler.batch_limit
-            and all(self.handler_of(f.item) is handler for f in self.pending)
+            and len(self.staged) < batch_limit(handler)
+            and all(self.handler_of(s.item) is handler for s in self.staged)
         )
 
     def check(self, item: Leased, lease: Lease) -> Task | None:
-        """The check of ``lease``, sharing its round trip with the pending outcomes
+        """The check of ``lease``, sharing its round trip with the staged outcomes
         (unless they wait for this task's, :meth:`defers`)."""
         session = self.rt.queue.session
-        if not self.pending or self.defers(item):
+        if not self.staged or self.defers(item):
             return session.held(lease, item.data)
-        pending, self.pending = self.pending, []
+        staged, self.staged = self.staged, []
         try:
             written, task = session.write_then_check(
-                [f.write for f in pending if f.write is not None], lease, item.data
+                [s.write for s in staged if s.write is not None], lease, item.data
             )
         except WritesRefused as exc:
-            self.settle(pending, self.hold(pending, exc))
+            self.report_writes(staged, self.write(staged, refused=exc))
             if not self.rt.writes.is_open:
                 raise  # the next task must not start
             return session.held(lease, item.data)
         except DatabaseUnavailable as exc:
-            self.settle(pending, [exc] * len(pending))
+            self.report_writes(staged, [exc] * len(staged))
             raise
         except Exception:
-            # The server refused the pending outcomes: they are tried, and fail, alone.
-            self.pending = pending
+            # The server refused the staged outcomes: they are tried, and fail, alone.
+            self.staged = staged
             self.flush()
             return session.held(lease, item.data)
-        self.settle(pending, list(written))
+        self.report_writes(staged, list(written))
         return task
 
-    def hold(self, pending: Sequence[Finished], refused: WritesRefused) -> list[bool | Exception]:
-        """Try the pending outcomes again, together, while the database refuses writes,
-        for as long as their leases last: a refusal shorter than a lease loses no
-        outcome and runs nothing twice."""
+    def write(
+        self, staged: Sequence[StagedOutcome], refused: WritesRefused | None = None
+    ) -> list[bool | Exception]:
+        """Write ``staged`` together, in one round trip; each one's result, or what kept
+        it from the database. While the database refuses writes (``refused``: it just
+        did), they are tried again, together, for as long as their leases last: a
+        refusal shorter than a lease loses no outcome and runs nothing twice."""
         gate = self.rt.writes
-        gate.refused(refused)
-        expires = min(f.done.expires for f in pending)
+        expires = min(s.pending.expires for s in staged)
         while True:
-            gate.pause()
-            if time.monotonic() >= expires:
-                return [refused] * len(pending)
+            if refused is not None:
+                gate.refused(refused)
+                gate.pause()
+                if time.monotonic() >= expires:
+                    return [refused] * len(staged)
             try:
-                return list(self.apply(pending))
+                if len(staged) == 1:
+                    return [staged[0].write_alone(self.rt)]
+                writes = [s.write for s in staged if s.write is not None]
+                return list(self.rt.queue.session.apply(writes))
             except WritesRefused as again:
                 refused = again
             except Exception as exc:
-                return [exc] * len(pending)
+                return [exc] * len(staged)
 
-    def apply(self, pending: Sequence[Finished]) -> Sequence[bool]:
-        if len(pending) == 1:
-            return [pending[0].write_alone(self.rt)]
-        return self.rt.queue.session.apply([f.write for f in pending if f.write is not None])
-
-    def settle(self, pending: Sequence[Finished], written: Sequence[bool | Exception]) -> None:
+    def report_writes(
+        self, staged: Sequence[StagedOutcome], written: Sequence[bool | Exception]
+    ) -> None:
         if not self.rt.writes.is_open and any(not isinstance(w, Exception) for w in written):
             self.rt.writes.accepted()
-        for finished, verdict in zip(pending, written, strict=True):
-            with traced(self.trace(finished.item)):
-                self.record(finished.item, finished.verdict(verdict))
+        for outcome, result in zip(staged, written, strict=True):
+            with traced(self.trace(outcome.item)):
+                self.report(outcome.item, outcome.report(result))
 
-    def record(self, item: Leased, ran: Ran) -> None:
-        """Count and log how a task's run ended (under its trace)."""
-        outcome_counter(item.task_class or "unknown", ran.outcome.value).inc()
-        line = ran.describe(item.label)
+    def report(self, item: Leased, report: RunReport) -> None:
+        """Log how a task's run ended (under its trace) and tell the observers."""
+        line = report.describe(item.label)
         log.info("%s", line)
-        self.ran.append((item, ran, line))
+        self.reports.append((item, report, line))
         for observer in observers():
-            observer.run_ended(item, ran)
+            observer.run_ended(item, report)
 
     def flush(self) -> None:
-        """Write the pending outcomes, together, in one round trip."""
-        if not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        try:
-            written: Sequence[bool | Exception] = self.apply(pending)
-        except WritesRefused as exc:
-            written = self.hold(pending, exc)
-        except Exception as exc:
-            written = [exc] * len(pending)
-        self.settle(pending, written)
-
-
-def runs_together(handler: Handler) -> bool:
-    """Whether ``handler`` has a call of its own for several tasks (the Conduit proxy's one
-    request), so a message's consecutive tasks of it are checked first, then run at once."""
-    return handler.batch_limit > 1 and type(handler).run_batch is not Handler.run_batch
+        """Write the staged outcomes, together, in one round trip."""
+        if self.staged:
+            staged, self.staged = self.staged, []
+            self.report_writes(staged, self.write(staged))
 
 
 def run_task(
@@ -324,10 +321,10 @@ def run_task(
     data_json: str | None = None,
     traceparent: str | None = None,
     task_class: str | None = None,
-) -> Ran:
+) -> RunReport:
     """Execute one leased task end to end; returns what happened."""
     if lease.failure_count is None:
         raise ValueError("a run is fenced on its lease's failure count; this lease has none")
     batch = Batch(rt, lease.owner, traceparent)
     batch.run([Leased(lease.task_id, lease.failure_count, task_class, data_json)])
-    return batch.ran[0][1]
+    return batch.reports[0][1]

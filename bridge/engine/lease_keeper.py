@@ -12,9 +12,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from bridge.engine.metrics import RENEWALS
+from bridge.engine.observers import observers
+from bridge.errors import DatabaseUnavailable
 from bridge.queue import Lease, PhorgeQueue
-from bridge.queue.retry import DatabaseUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,12 @@ class LeaseKeeper:
         try:
             renewed = self.queue.session.renew(watch.lease, seconds)
         except DatabaseUnavailable as exc:
-            RENEWALS.labels(result="error").inc()
+            for observer in observers():
+                observer.lease_renewed("error")
             log.warning("%s: heartbeat failed, will retry: %s", watch.label, exc)
             return
-        RENEWALS.labels(result="renewed" if renewed else "lost").inc()
+        for observer in observers():
+            observer.lease_renewed("renewed" if renewed else "lost")
         if renewed:
             watch.expires = now + seconds
         if not renewed:

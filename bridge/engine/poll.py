@@ -24,9 +24,10 @@ from typing import Protocol
 from bridge.engine.context import Runtime
 from bridge.engine.pace import SPREAD, WINDOW, Pace, in_flight_target
 from bridge.engine.standby import standby_seconds
+from bridge.errors import WritesRefused
 from bridge.handlers.api import Handler
+from bridge.handlers.capabilities import is_available
 from bridge.queue.model import Held, Leased
-from bridge.queue.retry import WritesRefused
 
 
 class Send(Protocol):
@@ -69,11 +70,12 @@ def plan(rt: Runtime, elsewhere: RunsElsewhere | None = None) -> dict[str, list[
     The poll runs in any worker, so what this process can run is not the whole story
     (``elsewhere``: what the other live workers announced). A class is leased when:
 
-    - its handler here is :meth:`~Handler.available` (asked once per handler and poll);
+    - its handler here is available (``capabilities.is_available``, asked once per
+      handler and poll);
     - it has no handler here (a control worker without PHP) and another worker consuming
       its queue runs it;
-    - its transport is down here (the PHP runner cannot boot, the Conduit breaker is
-      open), this worker can run nothing of its queue (it stands by on it,
+    - its transport is down here (the PHP runner cannot boot, Conduit is unavailable),
+      this worker can run nothing of its queue (it stands by on it,
       ``bridge.engine.standby``), and another worker runs it. A worker that still serves
       some of the queue goes by its own transports, so a fleet whose Conduit is down
       everywhere does not lease, in the seconds before their announcements say so, what
@@ -91,7 +93,7 @@ def plan(rt: Runtime, elsewhere: RunsElsewhere | None = None) -> dict[str, list[
         else:
             key = id(handler)
             if key not in available:
-                available[key] = handler.available()
+                available[key] = is_available(handler)
             leased = available[key] or (
                 elsewhere is not None
                 and standby_seconds(rt, queue, present) is not None

@@ -1,8 +1,9 @@
 """One leased task's run, in the order of ``PhabricatorWorkerActiveTask::executeTask``.
 
-Check the lease, apply the maximum retry count, make sure the lease covers the run,
-run, and say how it ended: final (:class:`Ran`, nothing left to write) or with an
-outcome to write under the lease (:class:`Done`). Writing it is the batch's part
+Check the lease, apply the maximum retry count, make sure the lease covers the run
+(:func:`prepare`: a :class:`ClearedTask`), run (:func:`run_cleared`), and say how it
+ended: with an outcome to write under the lease (:class:`PendingOutcome`), or with
+nothing left to write (:class:`RunReport`, what callers are told). Writing is the batch's part
 (``bridge.engine.batch``); sending and receiving messages is Celery's
 (``bridge.runtime``), so this module knows nothing of either.
 """
@@ -11,20 +12,20 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
 from bridge.engine.context import Runtime
-from bridge.engine.metrics import RENEWALS, run_timers
+from bridge.engine.observers import observers
 from bridge.handlers.api import Handler, TaskContext
+from bridge.handlers.capabilities import BatchHandler, availability_of
 from bridge.handlers.outcome import HandlerResult, clear, run_handler, run_handlers
 from bridge.queue import Lease, Outcome, Task
-from bridge.queue.model import Leased
 
 
 @dataclass(frozen=True)
-class Ran:
+class RunReport:
     """How one execution ended: the outcome written (or why none was), the handler's
     reason and, for a failure or a yield, the seconds until the task is due again; for a
     failure, what the handler raised (``HandlerResult.error``)."""
@@ -45,7 +46,7 @@ class Ran:
 
 
 @dataclass(frozen=True)
-class Done:
+class PendingOutcome:
     """A run whose outcome is ready to be written under its lease, which runs out at
     ``expires`` (monotonic time): a refused write is tried again until then."""
 
@@ -55,28 +56,8 @@ class Done:
     ctx: TaskContext | None = None
 
 
-class RunObserver:
-    """Hears every run's start and end, for measuring (the benchmark kit) without
-    patching the engine; subclass and override what you need, then :func:`observe`."""
-
-    def run_started(self, lease: Lease) -> None:
-        """The run's check is done and the handler is about to be looked up."""
-
-    def run_ended(self, item: Leased, ran: Ran) -> None:
-        """The run's outcome was written (or why none was is known)."""
-
-
-_observers: list[RunObserver] = []
-
-
-def observe(observer: RunObserver) -> Callable[[], None]:
-    """Add ``observer`` to every run of this process; returns what removes it."""
-    _observers.append(observer)
-    return lambda: _observers.remove(observer)
-
-
-def observers() -> list[RunObserver]:
-    return _observers
+# A run that ended before its outcome was written: with one to write, or with none.
+Ended = PendingOutcome | RunReport
 
 
 def backoff(rt: Runtime, failure_count: int) -> int:
@@ -108,7 +89,7 @@ def context(task: Task, lease: Lease, traceparent: str | None = None) -> TaskCon
 
 
 @dataclass(frozen=True)
-class Ready:
+class ClearedTask:
     """A checked task cleared to run: its handler and context, the lease seconds it has
     left and the seconds its run may keep the lease renewed."""
 
@@ -125,44 +106,49 @@ def prepare(
     lease: Lease,
     task: Task | None,
     traceparent: str | None = None,
-) -> Ran | Done | Ready:
+) -> Ended | ClearedTask:
     """Everything before a task's run that its check found (``task``, None when the lease
-    no longer held): ended already (``Ran``, ``Done``) or cleared to run (``Ready``)."""
-    for observer in _observers:
+    no longer held): ended already (an :data:`Ended`) or cleared to run."""
+    for observer in observers():
         observer.run_started(lease)
     if task is None:
-        return Ran(Outcome.LEASE_LOST, "the lease was no longer held before the run")
+        return RunReport(Outcome.LEASE_LOST, "the lease was no longer held before the run")
     handler = rt.registry.handler_for(task.task_class)
     if handler is None:
         # Configuration changed since the poll: give the row back to whoever can run it.
         rt.queue.free_own([task.id], lease.owner)
-        return Ran(Outcome.NOT_SERVED, "no handler serves this class here; lease handed back")
+        return RunReport(Outcome.NOT_SERVED, "no handler serves this class here; lease handed back")
     remaining = (task.lease_expires or 0) - (task.server_time or 0)
-    breaker = handler.breaker
-    if breaker is not None and not breaker.allow():
+    availability = availability_of(handler)
+    if availability is not None and not availability.allow():
         # Its transport is down in this worker (PHP cannot boot, Conduit is unreachable):
         # the row goes back at once, for a worker that can run it, not into a yield that
         # would hold it for 5 s and starve the fleet's pace (issue 31).
-        back = HandlerResult(Outcome.HANDED_BACK, reason=f"held back: {breaker.reason}")
-        return Done(lease, back, time.monotonic() + remaining)
+        back = HandlerResult(Outcome.HANDED_BACK, reason=f"held back: {availability.reason}")
+        return PendingOutcome(lease, back, time.monotonic() + remaining)
     if task.data_error:
         failed = HandlerResult(Outcome.PERMANENT_FAILURE, reason=task.data_error)
-        return Done(lease, failed, time.monotonic() + remaining)
+        return PendingOutcome(lease, failed, time.monotonic() + remaining)
     ctx = context(task, lease, traceparent)
     cleared = clear(handler, ctx)
     if isinstance(cleared, HandlerResult):
-        return Done(lease, cleared, time.monotonic() + remaining)
+        return PendingOutcome(lease, cleared, time.monotonic() + remaining)
     required = cleared.required_lease
     if required is not None:  # as PHP's setLeaseDuration(): set, shorter or longer
         claimed = rt.queue.session.renew(lease, required)
-        RENEWALS.labels(result="renewed" if claimed else "lost").inc()
+        for observer in observers():
+            observer.lease_renewed("renewed" if claimed else "lost")
         if not claimed:
-            return Ran(Outcome.LEASE_LOST, "the lease was lost while claiming the required lease")
+            return RunReport(
+                Outcome.LEASE_LOST, "the lease was lost while claiming the required lease"
+            )
         remaining = required
-    return Ready(lease, task.label, handler, ctx, remaining, required or rt.settings.default_lease)
+    return ClearedTask(
+        lease, task.label, handler, ctx, remaining, required or rt.settings.default_lease
+    )
 
 
-def execute(rt: Runtime, group: Sequence[Ready]) -> list[Ran | Done]:
+def run_cleared(rt: Runtime, group: Sequence[ClearedTask]) -> list[Ended]:
     """Run tasks cleared to run, all of one handler: one ``run`` for one task, one
     ``run_batch`` for several; each lease is kept renewed while the call lasts."""
     handler = group[0].handler
@@ -174,16 +160,16 @@ def execute(rt: Runtime, group: Sequence[Ready]) -> list[Ran | Done]:
         ]
         if len(group) == 1:
             results = [run_handler(handler, group[0].ctx)]
-        else:
+        else:  # only a BatchHandler's tasks are grouped (``capabilities.runs_together``)
+            assert isinstance(handler, BatchHandler)
             results = run_handlers(handler, [r.ctx for r in group])
     share = (time.perf_counter() - started) / len(group)
-    ended: list[Ran | Done] = []
-    for ready, result, watch in zip(group, results, watches, strict=True):
-        wall_time, duration = run_timers(ready.ctx.task_class)
-        wall_time.observe(share)
-        duration.observe(result.duration_us / 1e6)
+    ended: list[Ended] = []
+    for cleared, result, watch in zip(group, results, watches, strict=True):
+        for observer in observers():
+            observer.handler_returned(cleared.ctx.task_class, share, result)
         if watch.lost:
-            ended.append(Ran(Outcome.LEASE_LOST, "the lease expired while the handler ran"))
+            ended.append(RunReport(Outcome.LEASE_LOST, "the lease expired while the handler ran"))
         else:
-            ended.append(Done(ready.lease, result, watch.expires, ready.ctx))
+            ended.append(PendingOutcome(cleared.lease, result, watch.expires, cleared.ctx))
     return ended

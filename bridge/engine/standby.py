@@ -1,11 +1,11 @@
 """When a worker can run nothing of a Celery queue now, and for how long.
 
-A worker whose transport is down (its PHP runner cannot boot, its Conduit breaker is
-open) hands back each leased task of it at once (``run.prepare``). That alone is not
+A worker whose transport is down (its PHP runner cannot boot, Conduit is unavailable)
+hands back each leased task of it at once (``run.prepare``). That alone is not
 enough: a worker that hands back at once is always ready for the next message, so it
 would take most of a shared queue's messages and leave the healthy workers starved
 (issue 31: 0.01x of the healthy rate). So it also stops consuming a queue on which it
-can run nothing, until its breakers are due to probe again; the runtime does the
+can run nothing, until its transports are due to probe again; the runtime does the
 stopping (``bridge.runtime.standby``).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bridge.engine.context import Runtime
+from bridge.handlers.capabilities import availability_of
 
 # Shortest standby: a probe that is due at once still leaves the queue to the others for
 # this long, so a message bounced between two broken workers costs little.
@@ -31,9 +32,10 @@ def standby_seconds(rt: Runtime, queue: str, present: Sequence[str] | None = Non
         handler = registry.handler_for(task_class)
         if handler is None or router.queue_for(task_class) != queue:
             continue
-        if handler.breaker is None or not handler.breaker.is_open:
+        availability = availability_of(handler)
+        if availability is None or not availability.is_open:
             return None
-        down.append(handler.breaker)
+        down.append(availability)
     if not down:
         return None
-    return max(MIN_STANDBY, min(breaker.next_probe_in() for breaker in down))
+    return max(MIN_STANDBY, min(transport.next_probe_in() for transport in down))

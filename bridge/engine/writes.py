@@ -16,8 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from bridge.engine.metrics import WRITES_REFUSED
-from bridge.queue.retry import DatabaseUnavailable, WritesRefused
+from bridge.engine.observers import observers
+from bridge.errors import DatabaseUnavailable, WritesRefused
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class WriteGate:
             if self._closed_at is not None:
                 return
             self._closed_at, self.is_open = time.monotonic(), False
-        WRITES_REFUSED.set(1)
+        for observer in observers():
+            observer.writes_refused(True)
         log.error(
             "the database refuses writes (%s): no task starts, and outcomes already run are "
             "held until it accepts them again",
@@ -61,7 +62,8 @@ class WriteGate:
                 return
             closed_for, self._closed_at = time.monotonic() - self._closed_at, None
             self.is_open = True
-        WRITES_REFUSED.set(0)
+        for observer in observers():
+            observer.writes_refused(False)
         log.warning("the database accepts writes again, after %.1f s", closed_for)
 
     def pause(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -21,7 +21,6 @@ from bridge.errors import HandBack as HandBack
 from bridge.errors import PermanentFailure as PermanentFailure
 from bridge.errors import TemporaryFailure as TemporaryFailure
 from bridge.errors import Yield as Yield
-from bridge.handlers.breaker import CircuitBreaker
 from bridge.queue.model import NewTask
 
 
@@ -113,20 +112,6 @@ class Handler(ABC):
 
     task_classes: tuple[str, ...] = ()
     phorge_defaults: bool = False
-    # The transport's circuit breaker, for handlers that run the work elsewhere (the
-    # Conduit proxy): while it is open, the handler is not available.
-    breaker: CircuitBreaker | None = None
-    # How many leased tasks of a message ``run_batch`` may take at once, their outcomes
-    # then written in one transaction: more than one for handlers whose tasks are cheap
-    # next to a fixed price (a Conduit request, a durable commit).
-    batch_limit: int = 1
-
-    def available(self) -> bool:
-        """Whether this handler can take work now: the poller leases its classes only
-        while it answers True, asked once per poll. The default consults the breaker,
-        verifying it (a probe at most every few seconds), since the process that polls
-        may never run such a task itself."""
-        return self.breaker is None or self.breaker.verify()
 
     @property
     def name(self) -> str:
@@ -149,18 +134,6 @@ class Handler(ABC):
     @abstractmethod
     def run(self, task: TaskContext) -> None:
         """Do the work; queue follow-ups with ``task.queue_task``."""
-
-    def run_batch(self, tasks: Sequence[TaskContext]) -> list[Exception | None]:
-        """Run up to ``batch_limit`` checked tasks in order, in one go where the transport
-        allows; returns, for each, None (success) or what its ``run`` would have raised."""
-        ended: list[Exception | None] = []
-        for task in tasks:
-            try:
-                self.run(task)
-                ended.append(None)
-            except Exception as exc:
-                ended.append(exc)
-        return ended
 
 
 class FunctionHandler(Handler):

@@ -1,18 +1,19 @@
-"""The Conduit circuit breaker: stop sending PHP-only work while Phorge cannot take it.
+"""A transport's availability: whether the place PHP-only work runs can take it now.
 
-Phorge's web tier going away (refused, reset, 502/503/504, an HTML page instead of JSON)
-or refusing the bridge's token is not the task's failure. While it lasts, every proxied
-task would otherwise fail and wait out a retry. The breaker opens on the first such
-error, logs once, and lets nothing through until a cheap probe succeeds. Probes back off
-from 1 s to 60 s, each wait a quarter of the outage so far: Phorge is not hammered
-through a long outage, yet work resumes within a quarter of the outage's length (and
-within a second of a short one) once it answers. The first success closes the breaker
-(logged once), so work resumes on the next poll.
+A transport going away (Conduit's web tier refusing, resetting, answering 502/503/504 or
+an HTML page, or refusing the bridge's token; the PHP runner unable to boot) is not the
+task's failure. While it lasts, every task of the transport would otherwise fail and wait
+out a retry. The availability turns *down* on the first such error, logs once, and lets
+nothing through until a cheap probe succeeds (a circuit breaker). Probes back off from
+1 s to 60 s (the runner's to 5 s), each wait a quarter of the outage so far: Phorge is
+not hammered through a long outage, yet work resumes within a quarter of the outage's
+length (and within a second of a short one) once it answers. The first success turns it
+up again (logged once), so work resumes on the next poll.
 
-Each process keeps its own breaker (no shared store, no host clock: only
-``time.monotonic``). The process running ``bridge.poll`` may never run a proxied task,
-so the poller calls :meth:`CircuitBreaker.verify`, which also probes a closed breaker
-whose last evidence is older than :data:`RECHECK_SECONDS`.
+Each process keeps its own (no shared store, no host clock: only ``time.monotonic``).
+The process running ``bridge.poll`` may never run such a task, so the poller calls
+:meth:`Availability.verify`, which also probes when the last evidence of an available
+transport is older than :data:`RECHECK_SECONDS`.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ MAX_BACKOFF = 60.0
 BACKOFF_SHARE = 0.25  # of the outage so far
 RECHECK_SECONDS = 5.0
 
-# The probe returns None when Conduit is usable, else why it is not.
+# The probe returns None when the transport is usable, else why it is not.
 Probe = Callable[[], "str | None"]
 
 
-class CircuitBreaker:
-    """Open while Conduit is down; ``listeners`` hear every state change (True: open)."""
+class Availability:
+    """One transport's, in one process: ``is_open`` while it is down (the breaker is open);
+    ``listeners`` hear every change (True: down)."""
 
     def __init__(
         self,
@@ -55,14 +57,15 @@ class CircuitBreaker:
         self._recheck = recheck
         self._opened = 0.0
         self._next_probe = 0.0
-        self._seen_up = -math.inf  # when Conduit last answered
+        self._seen_up = -math.inf  # when the transport last answered
         self._lock = threading.RLock()
         self.is_open = False
         self.reason = ""
         self.listeners: list[Callable[[bool], None]] = []
 
     def success(self) -> None:
-        """Conduit answered (any Conduit JSON answer, whatever the task's outcome)."""
+        """The transport answered (for Conduit: any Conduit JSON answer, whatever the
+        task's outcome)."""
         with self._lock:
             self._seen_up = self._clock()
             if self.is_open:
@@ -70,7 +73,7 @@ class CircuitBreaker:
                 self._change(False, "")
 
     def failure(self, reason: str) -> None:
-        """Conduit is unusable; opens the breaker (once) and schedules the first probe."""
+        """The transport is unusable; opens the breaker (once) and schedules the first probe."""
         with self._lock:
             if self.is_open:
                 return
@@ -85,7 +88,7 @@ class CircuitBreaker:
             self._change(True, reason)
 
     def allow(self) -> bool:
-        """May a proxied task call Conduit now? An open breaker probes once its wait is over."""
+        """May a task use the transport now? An open breaker probes once its wait is over."""
         with self._lock:
             if not self.is_open:
                 return True

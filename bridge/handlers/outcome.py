@@ -15,6 +15,7 @@ from typing import Any
 
 from bridge.errors import HandBack, PermanentFailure, TemporaryFailure, Yield
 from bridge.handlers.api import Handler, TaskContext, measured_duration
+from bridge.handlers.capabilities import BatchHandler
 from bridge.queue.model import DEFAULT_RETRY_WAIT, MIN_YIELD_SECONDS, NewTask, Outcome
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def run_handler(handler: Handler, ctx: TaskContext) -> HandlerResult:
     return classify(handler, ctx, ended, int((time.perf_counter() - started) * 1_000_000))
 
 
-def run_handlers(handler: Handler, ctxs: Sequence[TaskContext]) -> list[HandlerResult]:
+def run_handlers(handler: BatchHandler, ctxs: Sequence[TaskContext]) -> list[HandlerResult]:
     """Run checked tasks with one ``run_batch`` call; each is classified as a run of its
     own, its duration PHP's measurement or else its share of the call."""
     started = time.perf_counter()

@@ -1,72 +1,19 @@
 """The handler registry: which handler runs a task class, or None (leave it to PHP).
 
-Native handlers come from the ``phorge_bridge.handlers`` entry-point group, so other
-packages can ship theirs; every other class goes to the PHP runner when
-``BRIDGE_PHORGE_ROOT`` is set and the class matches ``BRIDGE_RUNNER_CLASSES``, else to
-the Conduit proxy once it is configured. Include/exclude globs narrow them all.
-
-An entry point names one of:
-
-- a :class:`Handler` subclass, instantiated without arguments;
-- a :class:`Handler` instance, such as a function decorated with ``@handler``;
-- a factory ``factory(settings: Settings, conduit: ConduitClient | None)`` returning a
-  Handler or an iterable of them: it gets what the built-in handlers get, the settings
-  and the Conduit client (None when ``BRIDGE_CONDUIT_URL`` is not set).
+A class goes to its native handler; every other class to the PHP runner when it matches
+the runner's globs, else to the fallback (the Conduit proxy) when there is one.
+Include/exclude globs narrow them all. ``bridge.assembly`` fills it from the settings.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from fnmatch import fnmatchcase
-from importlib.metadata import entry_points
 from typing import Any
 
-from bridge.config import Settings
-from bridge.errors import BridgeError, DuplicateHandlerError
+from bridge.errors import DuplicateHandlerError
 from bridge.handlers.api import Handler
-from bridge.handlers.conduit_proxy import ConduitProxyHandler
-from bridge.handlers.feed import FeedPublisherHTTPHandler
-from bridge.handlers.php_runner import PhpRunnerHandler
-from bridge.phorge.conduit import ConduitClient
-from bridge.phorge.request_slots import RequestSlots
-from bridge.phorge.runner_pool import RunnerPool
-
-log = logging.getLogger(__name__)
-ENTRY_POINT_GROUP = "phorge_bridge.handlers"
-
-HandlerFactory = Callable[[Settings, ConduitClient | None], Handler | Iterable[Handler]]
-
-
-def instantiate(
-    published: object, settings: Settings, conduit: ConduitClient | None
-) -> list[Handler]:
-    """The handlers an entry point's object stands for (see the module's docstring)."""
-    if isinstance(published, Handler):
-        made: object = published
-    elif isinstance(published, type) and issubclass(published, Handler):
-        made = published()
-    elif callable(published):
-        made = published(settings, conduit)
-    else:
-        raise BridgeError(f"{published!r} is not a Handler, a Handler subclass or a factory")
-    handlers: list[Handler] = []
-    for item in list(made) if isinstance(made, Iterable) else [made]:
-        if not isinstance(item, Handler):
-            raise BridgeError(f"{published!r} made {item!r}, which is not a Handler")
-        handlers.append(item)
-    return handlers
-
-
-def discover(settings: Settings, conduit: ConduitClient | None) -> list[Handler]:
-    """Every handler published in the entry-point group."""
-    handlers = []
-    for entry in entry_points(group=ENTRY_POINT_GROUP):
-        handlers += instantiate(entry.load(), settings, conduit)
-        log.debug("handlers of %s from %s", entry.name, entry.value)
-    return handlers
-
 
 NATIVE, RUNNER, PROXY = "native", "runner", "proxy"  # what may serve a class
 
@@ -127,7 +74,8 @@ class Registry:
         self,
         handlers: Iterable[Handler],
         *,
-        runner: PhpRunnerHandler | None = None,
+        runner: Handler | None = None,
+        runner_classes: tuple[str, ...] = (),
         fallback: Handler | None = None,
         include: Iterable[str] = ("*",),
         exclude: Iterable[str] = (),
@@ -142,6 +90,7 @@ class Registry:
                         f"{handler.name}; uninstall one, or publish only one of them"
                     )
         self.runner = runner
+        self.runner_classes = runner_classes
         self.fallback = fallback
         self.include = tuple(include)
         self.exclude = tuple(exclude)
@@ -153,7 +102,7 @@ class Registry:
     def coverage(self) -> Coverage:
         return Coverage(
             native=tuple(self.native),
-            runner=None if self.runner is None else self.runner.classes,
+            runner=None if self.runner is None else self.runner_classes,
             proxy=self.fallback is not None,
             include=self.include,
             exclude=self.exclude,
@@ -182,28 +131,3 @@ class Registry:
 
     def runnable(self, task_classes: Iterable[str]) -> list[str]:
         return [c for c in task_classes if self.handler_for(c) is not None]
-
-
-def build_registry(settings: Settings) -> Registry:
-    """The registry this process serves with: published handlers; the PHP runner when a
-    Phorge checkout is set; once Conduit is configured, the native feed hook and the
-    proxy for every other class (without either, those classes stay queued for PHP)."""
-    reach = settings.conduit
-    conduit = ConduitClient.from_settings(reach) if reach is not None else None
-    handlers = discover(settings, conduit)
-    fallback = None
-    if reach is not None and conduit is not None:
-        handlers.append(FeedPublisherHTTPHandler(conduit))
-        slots = RequestSlots(reach.max_requests)
-        fallback = ConduitProxyHandler(conduit, batch=reach.batch, slots=slots)
-    runner = None
-    if settings.runner is not None:
-        pool = RunnerPool(settings.runner)
-        runner = PhpRunnerHandler(pool, settings.runner.classes, settings.default_lease)
-    return Registry(
-        handlers,
-        runner=runner,
-        fallback=fallback,
-        include=settings.handlers_include,
-        exclude=settings.handlers_exclude,
-    )

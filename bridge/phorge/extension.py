@@ -17,14 +17,21 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from bridge.errors import BridgeError
-from bridge.errors import PhorgeRootError as PhorgeRootError
+from bridge.errors import BridgeError, PhorgeRootError
 
 EXTENSION_FILENAME = "PhorgeBridgeConduitAPIMethods.php"
 TASK_RUN_FILENAME = "PhorgeBridgeTaskRun.php"
 # In the order of the digest; the shared file is written first, so a Phorge process
 # starting during an install never includes methods without the run they require.
 EXTENSION_FILES = (EXTENSION_FILENAME, TASK_RUN_FILENAME)
+RUNNER_FILENAME = "phorge-bridge-runner.php"
+# Where each PHP file lies in this package (package data): with the transport it serves,
+# the task run they share one level up.
+SHIPPED_IN = {
+    EXTENSION_FILENAME: "bridge.transports.conduit",
+    TASK_RUN_FILENAME: "bridge.transports",
+    RUNNER_FILENAME: "bridge.transports.php_runner",
+}
 EXTENSIONS_DIR = Path("src") / "extensions"
 VERSION_METHOD = "worker.version"
 
@@ -60,7 +67,7 @@ class ExtensionStatus:
 
 def shipped_file(name: str) -> Path:
     """Where a PHP file shipped in this package lies (package data, on disk)."""
-    return Path(str(resources.files("bridge.phorge").joinpath(name)))
+    return Path(str(resources.files(SHIPPED_IN[name]).joinpath(name)))
 
 
 def shipped_source(name: str = EXTENSION_FILENAME) -> bytes:

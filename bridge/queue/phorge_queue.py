@@ -390,6 +390,12 @@ class PhorgeQueue:
                 tasks += [_task(row, archived=True) for row in conn.execute(query)]
         return tasks if selector.limit is None else tasks[: selector.limit]
 
+    def ages(self, now: int) -> Sequence[Any]:
+        """Active rows per (class, state) with their count, since when the first was due
+        and when the first was leased (``statements.active_ages``): the queue gauges."""
+        with self.engine.connect() as conn:
+            return list(conn.execute(sql.active_ages(now)))
+
     def stats(self, archived_window: int = 3600) -> QueueStats:
         """Counts per class and state, archived counts of the last window, oldest queued age.
 

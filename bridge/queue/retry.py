@@ -17,8 +17,7 @@ from typing import TypeVar
 
 from sqlalchemy.exc import DBAPIError
 
-from bridge.errors import DatabaseUnavailable as DatabaseUnavailable
-from bridge.errors import WritesRefused as WritesRefused
+from bridge.errors import DatabaseUnavailable, WritesRefused
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -628,6 +628,20 @@ def count_active_by_class_and_state(now: int) -> Select[Any]:
     )
 
 
+def active_ages(now: int) -> Select[Any]:
+    """Active rows per (class, state): count, since when the first was due (its lease
+    expiry, else its creation), when the first was leased (its owner's epoch)."""
+    c = active.c
+    state = state_case(now).label("state")
+    return select(
+        c.taskClass,
+        state,
+        func.count(),
+        func.min(func.coalesce(c.leaseExpires, c.dateCreated)),
+        func.min(case((c.leaseOwner != YIELD_OWNER, owner_epoch(c.leaseOwner)))),
+    ).group_by(c.taskClass, state)
+
+
 def count_archived_by_class_and_result(since: int) -> Select[Any]:
     """Archived rows per (class, result) modified since ``since`` (the ``key_modified`` index)."""
     return (

@@ -9,9 +9,9 @@ from celery import Celery
 
 def install(app: Celery) -> None:
     """Register the bridge's tasks, signals and worker options on ``app``."""
-    from bridge.runtime import execute, lifecycle, liveness, poller, quiet_polls, standby
+    from bridge.runtime import lifecycle, liveness, poller, quiet_polls, standby, tasks
 
-    execute.install(app)
+    tasks.install(app)
     poller.install(app)
     quiet_polls.install()
     lifecycle.install(app)

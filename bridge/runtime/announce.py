@@ -19,7 +19,7 @@ from typing import Any
 from celery import Celery
 from celery.worker.control import inspect_command
 
-from bridge.engine.context import runtime
+from bridge.assembly import runtime
 from bridge.handlers.registry import Coverage
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from celery import Celery
 from kombu import Queue
 from kombu.utils.uuid import uuid
 
-from bridge.engine.metrics import DISPATCHED, SENT_ON, TASKS_PER_MESSAGE
 from bridge.engine.tracing import TRACEPARENT_HEADER, TaskTrace, new_traceparent, traced
+from bridge.metrics import DISPATCHED, SENT_ON, TASKS_PER_MESSAGE
 from bridge.queue.model import Leased
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """Worker lifecycle hooks: task tags on log lines, metrics counted across the pool's
-processes and exported at start, Conduit's request slots shared by the pool, the PHP
-runner's processes started with the pool's and stopped with them, lease hand-back at
+processes and exported at start, Conduit's request slots shared by the pool, the
+transports started with the pool's processes (the PHP runner's) and stopped with them,
+lease hand-back at
 warm shutdown; connected for an app by :func:`install`."""
 
 from __future__ import annotations
@@ -21,21 +22,21 @@ from celery.signals import (
 )
 from celery.worker import state
 
+from bridge.assembly import runtime
 from bridge.config import current_settings
-from bridge.engine.context import runtime
-from bridge.engine.metrics import (
+from bridge.engine.tracing import tag_log_lines
+from bridge.handlers.capabilities import TransportHandler
+from bridge.metrics.exporter import (
     MULTIPROC_DIR,
     ProcessesCollector,
-    QueueCollector,
     count_across_processes,
     serve,
-    watch_runner_pool,
 )
-from bridge.engine.tracing import tag_log_lines
-from bridge.phorge import request_slots
+from bridge.metrics.queue import QueueCollector
 from bridge.queue import Lease
 from bridge.runtime.consumers import ConsumersCollector, ConsumerWatch, fleet_survey
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK
+from bridge.transports.conduit import request_slots
 
 log = logging.getLogger(__name__)
 
@@ -102,30 +103,31 @@ def prefork(worker: object) -> bool:
     return "prefork" in str(getattr(pool, "__module__", pool))
 
 
-def warm_php_runner(size: int) -> None:
-    """Start this process's PHP runners (one per slot) so no first task waits for a boot."""
-    runner = runtime().registry.runner
-    if runner is not None:
-        watch_runner_pool(runner.pool)
-        runner.warm(size)
+def transports() -> list[TransportHandler]:
+    return [h for h in runtime().registry.handlers() if isinstance(h, TransportHandler)]
 
 
-def warm_php_runner_of_worker(sender: object = None, **_kwargs: object) -> None:
-    """A threads or solo worker runs tasks in this process: a runner per thread."""
+def start_transports(slots: int) -> None:
+    """Get this process's transports ready for ``slots`` tasks at once (the PHP runner
+    boots a process per slot), so no first task waits."""
+    for transport in transports():
+        transport.start(slots)
+
+
+def start_transports_of_worker(sender: object = None, **_kwargs: object) -> None:
+    """A threads or solo worker runs tasks in this process: ready for every thread."""
     if sender is not None and not prefork(sender):
-        warm_php_runner(int(getattr(sender, "concurrency", 1) or 1))
+        start_transports(int(getattr(sender, "concurrency", 1) or 1))
 
 
-def stop_php_runner(**_kwargs: object) -> None:
-    """Stop the idle runners at once (a busy one ends with its task's pipe)."""
-    runner = runtime().registry.runner
-    if runner is not None:
-        runner.pool.close()
+def stop_transports(**_kwargs: object) -> None:
+    for transport in transports():
+        transport.stop()
 
 
-def stop_php_runner_of_worker(sender: object = None, **_kwargs: object) -> None:
+def stop_transports_of_worker(sender: object = None, **_kwargs: object) -> None:
     if sender is not None and not prefork(sender):
-        stop_php_runner()
+        stop_transports()
 
 
 def unstarted_leases() -> list[Lease]:
@@ -165,7 +167,7 @@ def install(app: Celery) -> None:
     worker_init.connect(share_conduit_slots, weak=False)
     worker_ready.connect(lambda **_: start_metrics(app), weak=False)
     worker_shutting_down.connect(hand_back_leases, weak=False)
-    worker_init.connect(warm_php_runner_of_worker, weak=False)
-    worker_process_init.connect(lambda **_: warm_php_runner(1), weak=False)
-    worker_process_shutdown.connect(stop_php_runner, weak=False)
-    worker_shutdown.connect(stop_php_runner_of_worker, weak=False)
+    worker_init.connect(start_transports_of_worker, weak=False)
+    worker_process_init.connect(lambda **_: start_transports(1), weak=False)
+    worker_process_shutdown.connect(stop_transports, weak=False)
+    worker_shutdown.connect(stop_transports_of_worker, weak=False)

@@ -11,14 +11,16 @@ from typing import Any
 
 from celery import Celery, Task
 
-from bridge.engine.context import Runtime, runtime
-from bridge.engine.metrics import observed_poll
+from bridge.assembly import runtime
+from bridge.engine.context import Runtime
 from bridge.engine.poll import poll_once
-from bridge.queue.retry import DatabaseUnavailable, is_transient
+from bridge.errors import DatabaseUnavailable
+from bridge.metrics import observed_poll
+from bridge.queue.retry import is_transient
 from bridge.runtime.consumers import ConsumerWatch, fleet_survey
 from bridge.runtime.dispatch import send
-from bridge.runtime.execute import POLL_TASK
 from bridge.runtime.quiet_polls import QuietTask
+from bridge.runtime.tasks import POLL_TASK
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Beat sends a poll every poll interval, 14,400 an hour at 0.25 s: as tasks they f
 Flower's list and its counts (Flower counts messages, not Phorge's tasks), beat logged a
 line for each and a worker two. A poll sends no task events and no task-sent event, and
 Celery's INFO lines about sending and running it are dropped; its warnings and errors
-still log, and the poll's own metrics (``bridge.engine.metrics.observed_poll``) still
+still log, and the poll's own metrics (``bridge.metrics.observed_poll``) still
 count every one. Beat's log says when it starts sending and when it stands by (the beat
 lock's lines).
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task
 
-from bridge.runtime.execute import POLL_TASK
+from bridge.runtime.tasks import POLL_TASK
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult

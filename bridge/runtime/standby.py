@@ -23,9 +23,11 @@ from typing import Any
 from celery import Celery, current_task
 from celery.worker.control import control_command
 
-from bridge.engine.context import runtime
-from bridge.engine.run import Ran, RunObserver, observe
+from bridge.assembly import runtime
+from bridge.engine.observers import RunObserver, observe
+from bridge.engine.run import RunReport
 from bridge.engine.standby import MIN_STANDBY, standby_seconds
+from bridge.handlers.capabilities import availability_of
 from bridge.queue import Outcome
 from bridge.queue.model import Leased
 from bridge.runtime.announce import note_down, remote_control
@@ -94,8 +96,8 @@ class Standby(RunObserver):
         self._lock = threading.Lock()
         self._remote: bool | None = None
 
-    def run_ended(self, item: Leased, ran: Ran) -> None:
-        if ran.outcome is not Outcome.HANDED_BACK or item.task_class is None:
+    def run_ended(self, item: Leased, report: RunReport) -> None:
+        if report.outcome is not Outcome.HANDED_BACK or item.task_class is None:
             return
         node = getattr(getattr(current_task, "request", None), "hostname", None)
         if not node or not self.remote_control():
@@ -103,14 +105,15 @@ class Standby(RunObserver):
         rt = runtime()
         transport = rt.registry.coverage().transport_for(item.task_class)
         handler = rt.registry.handler_for(item.task_class)
-        if transport is None or handler is None or handler.breaker is None:
+        availability = availability_of(handler) if handler is not None else None
+        if transport is None or availability is None:
             return
         queue = rt.settings.router.queue_for(item.task_class)
         with self._lock:
             if time.monotonic() < self._until.get((transport, queue), 0.0):
                 return
             stop = standby_seconds(rt, queue)
-            seconds = stop or max(MIN_STANDBY, handler.breaker.next_probe_in())
+            seconds = stop or max(MIN_STANDBY, availability.next_probe_in())
             self._until[transport, queue] = time.monotonic() + seconds
         arguments = {"queue": queue, "seconds": seconds, "transport": transport, "stop": bool(stop)}
         try:

@@ -21,9 +21,9 @@ from celery import Celery, Task
 from celery.exceptions import Retry
 from celery.signals import task_postrun, task_prerun
 
+from bridge.assembly import runtime
 from bridge.engine.batch import Batch
-from bridge.engine.context import runtime
-from bridge.engine.run import Ran
+from bridge.engine.run import RunReport
 from bridge.engine.tracing import (
     TRACEPARENT_HEADER,
     TaskTrace,
@@ -76,7 +76,7 @@ def trace_of(request: Any, task_id: int, owner: str, task_class: str | None) -> 
     )
 
 
-def execute(
+def execute_task(
     self: Task[Any, Any],
     task_id: int,
     owner: str,
@@ -101,15 +101,15 @@ def execute(
     finally:
         if repoll:
             ask_for_poll(self.app)
-    _, ran, line = batch.ran[0]
-    if ran.outcome is Outcome.SUCCESS:
+    _, report, line = batch.reports[0]
+    if report.outcome is Outcome.SUCCESS:
         return line
-    if ran.outcome in (Outcome.YIELD, Outcome.HANDED_BACK):
+    if report.outcome in (Outcome.YIELD, Outcome.HANDED_BACK):
         return yielded(line, item)
-    not_done(line, [ran], NOT_DONE[ran.outcome](line))
+    not_done(line, [report], NOT_DONE[report.outcome](line))
 
 
-def not_done(text: str, runs: Sequence[Ran], failed: TaskNotDone) -> NoReturn:
+def not_done(text: str, runs: Sequence[RunReport], failed: TaskNotDone) -> NoReturn:
     """End a message whose ``runs`` did not all succeed: in Celery's RETRY state when each
     was a temporary failure, which Phorge runs again after its wait (Flower counts it
     Retried, not Failed), else in FAILURE with ``failed``.
@@ -119,9 +119,9 @@ def not_done(text: str, runs: Sequence[Ran], failed: TaskNotDone) -> NoReturn:
     raised from what the first failed handler raised, so the state's traceback shows the
     handler's stack.
     """
-    cause = next((ran.error for ran in runs if ran.error is not None), None)
-    if all(ran.outcome is Outcome.FAILURE for ran in runs):
-        wait = min((ran.wait for ran in runs if ran.wait is not None), default=None)
+    cause = next((run.error for run in runs if run.error is not None), None)
+    if all(run.outcome is Outcome.FAILURE for run in runs):
+        wait = min((run.wait for run in runs if run.wait is not None), default=None)
         # celery-types says ``numbers.Real``, which mypy does not see an int as.
         raise Retry(text, failed, when=cast(Real | None, wait)) from cause
     raise failed from cause
@@ -142,7 +142,7 @@ def execute_batch(
     self: Task[Any, Any], owner: str, tasks: list[list[Any]], repoll: bool = False
 ) -> str:
     """Run the tasks of a backlog's batch in order (each ``[id, failure_count, class,
-    data]``, leased by ``owner``); see :func:`execute` for ``repoll``.
+    data]``, leased by ``owner``); see :func:`execute_task` for ``repoll``.
 
     Once the batch has run for a poll interval, the tasks left are sent on, as many a
     message as ran in that time, so long tasks spread over the workers. Returns
@@ -160,7 +160,7 @@ def execute_batch(
     try:
         rest = batch.run(items, budget=rt.settings.poll_interval)
         if rest:
-            pace = (time.monotonic() - started) / len(batch.ran)
+            pace = (time.monotonic() - started) / len(batch.reports)
             size = max(1, min(len(rest), int(rt.settings.poll_interval / pace)))
             queue = rt.settings.router.queue_for(rest[0].task_class or "")
             sent = send_messages(self.app, owner, rest, queue, size, sent_on=True)
@@ -170,27 +170,29 @@ def execute_batch(
     finally:
         if repoll:
             ask_for_poll(self.app)
-    summary = batch_summary(batch.ran, sent, handed_back)
-    undone = [(ran, line) for _, ran, line in batch.ran if ran.outcome not in BATCH_DONE]
+    summary = batch_summary(batch.reports, sent, handed_back)
+    undone = [(run, line) for _, run, line in batch.reports if run.outcome not in BATCH_DONE]
     if undone:
         text = "; ".join([summary, *(line for _, line in undone)])
-        not_done(text, [ran for ran, _ in undone], BatchNotDone(text))
+        not_done(text, [run for run, _ in undone], BatchNotDone(text))
     return summary
 
 
 def batch_summary(
-    ran: Sequence[tuple[Leased, Ran, str]], sent: Sequence[Sent], handed_back: Sequence[Leased]
+    reports: Sequence[tuple[Leased, RunReport, str]],
+    sent: Sequence[Sent],
+    handed_back: Sequence[Leased],
 ) -> str:
     """Each task's outcome, and the message each one sent on went in, e.g.
     ``'3 task(s): 1 failure (#7), 2 success (#5, #6); 2 sent on: bridge.execute[<id>]
     (#8), bridge.execute[<id>] (#9)'``; tasks the broker refused are ``handed back``."""
     by_outcome: dict[str, list[Leased]] = defaultdict(list)
-    for item, result, _ in ran:
-        by_outcome[result.outcome.value].append(item)
+    for item, report, _ in reports:
+        by_outcome[report.outcome.value].append(item)
     outcomes = ", ".join(
         f"{len(done)} {name} ({ids(done)})" for name, done in sorted(by_outcome.items())
     )
-    parts = [f"{len(ran)} task(s): {outcomes}"]
+    parts = [f"{len(reports)} task(s): {outcomes}"]
     if sent:
         messages = ", ".join(f"{message} ({ids(message.tasks)})" for message in sent)
         parts.append(f"{sum(len(message.tasks) for message in sent)} sent on: {messages}")
@@ -223,7 +225,9 @@ def _end_trace(task_id: str, **_: Any) -> None:
 
 def install(app: Celery) -> None:
     """Register both tasks on ``app``, and the signals that tag the lines of a run."""
-    one = app.task(name=EXECUTE_TASK, bind=True, ignore_result=True, throws=(TaskNotDone,))(execute)
+    one = app.task(name=EXECUTE_TASK, bind=True, ignore_result=True, throws=(TaskNotDone,))(
+        execute_task
+    )
     app.task(
         name=EXECUTE_BATCH,
         bind=True,

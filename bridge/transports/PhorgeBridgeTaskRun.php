@@ -11,13 +11,20 @@
  * next to the Conduit methods by "phorge-bridge phorge install-extension";
  * do not edit the installed copy.
  *
- * The declaration is conditional: the runner loads the copy shipped with the
- * bridge before Phorge's bootstrap includes src/extensions/, so a runner
+ * The declarations are conditional: the runner loads the copy shipped with
+ * the bridge before Phorge's bootstrap includes src/extensions/, so a runner
  * always runs the code its Python side expects, whatever copy is installed.
  *
  * Written for PHP 7.2 (Phorge's minimum).
  */
 if (!class_exists('PhorgeBridgeTaskRun', false)) {
+
+/**
+ * A task spec that PhorgeBridgeTaskRun::newTaskFromSpec() refuses; the
+ * message names the field. Each caller reports it its own way (worker.execute
+ * as an ERR-BRIDGE-PARAMETER error, the runner as an "error" answer).
+ */
+final class PhorgeBridgeTaskSpecException extends Exception {}
 
 final class PhorgeBridgeTaskRun {
 
@@ -28,6 +35,45 @@ final class PhorgeBridgeTaskRun {
 
   const MESSAGE_BYTES = 4096;
   const MINIMUM_YIELD = 5;
+
+  /**
+   * The task a spec describes: the map the bridge sends for each task
+   * (taskID, taskClass, data as the raw JSON string of its worker_taskdata
+   * row, failureCount, priority, objectPHID, containerPHID; its traceparent
+   * is not read here). The one place a spec is read and checked, for
+   * worker.execute and the runner alike; a malformed spec throws
+   * PhorgeBridgeTaskSpecException.
+   */
+  public static function newTaskFromSpec(array $spec) {
+    $task_id = self::readSpecInteger($spec, 'taskID', 1);
+    $failure_count = self::readSpecInteger($spec, 'failureCount', 0);
+    $priority = self::readSpecInteger($spec, 'priority', 0);
+    $object_phid = self::readSpecOptionalString($spec, 'objectPHID');
+    $container_phid = self::readSpecOptionalString($spec, 'containerPHID');
+
+    $task_class = idx($spec, 'taskClass');
+    if (!is_string($task_class) || !strlen($task_class)) {
+      throw new PhorgeBridgeTaskSpecException(
+        pht('Parameter "taskClass" must be a non-empty string.'));
+    }
+
+    $raw_data = idx($spec, 'data');
+    if (!is_string($raw_data)) {
+      throw new PhorgeBridgeTaskSpecException(
+        pht(
+          'Parameter "data" must be the raw JSON string of the task\'s '.
+          'worker_taskdata row.'));
+    }
+
+    return self::newTask(
+      $task_id,
+      $task_class,
+      $raw_data,
+      $failure_count,
+      $priority,
+      $object_phid,
+      $container_phid);
+  }
 
   /**
    * An in-memory task for the worker's getCurrentWorkerTask() and
@@ -97,7 +143,7 @@ final class PhorgeBridgeTaskRun {
       $result['requiredLease'] = self::requiredLease($worker);
 
       $t_start = microtime(true);
-        $worker->executeTask();
+      $worker->executeTask();
       $result['duration'] = (int)phutil_microseconds_since($t_start);
       $result['result'] = self::RESULT_SUCCESS;
     } catch (PhabricatorWorkerPermanentFailureException $ex) {
@@ -200,6 +246,33 @@ final class PhorgeBridgeTaskRun {
       }
     }
     return $message;
+  }
+
+  private static function readSpecInteger(array $spec, $key, $minimum) {
+    $value = idx($spec, $key);
+    if (is_string($value) && preg_match('/^-?\d+\z/', $value)) {
+      $value = (int)$value;
+    }
+    if (!is_int($value) || $value < $minimum) {
+      throw new PhorgeBridgeTaskSpecException(
+        pht(
+          'Parameter "%s" must be an integer no smaller than %d.',
+          $key,
+          $minimum));
+    }
+    return $value;
+  }
+
+  private static function readSpecOptionalString(array $spec, $key) {
+    $value = idx($spec, $key);
+    if ($value === null || $value === '') {
+      return null;
+    }
+    if (!is_string($value)) {
+      throw new PhorgeBridgeTaskSpecException(
+        pht('Parameter "%s" must be a string or null.', $key));
+    }
+    return $value;
   }
 
   private static function requiredLease(PhabricatorWorker $worker) {

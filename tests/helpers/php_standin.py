@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from bridge.config import RunnerSettings
 from bridge.handlers.api import TaskContext
-from bridge.handlers.php_runner import PhpRunnerHandler
 from bridge.phorge.php import decode_data, encode_data
-from bridge.phorge.runner_pool import RunnerPool, RunnerSettings
-from bridge.phorge.runner_process import RunnerCommand
+from bridge.transports.php_runner.handler import PhpRunnerHandler
+from bridge.transports.php_runner.pool import RunnerPool
 
 STANDIN_ROOT = Path(__file__).resolve().parents[1] / "php_standin"
 DEFAULT_LEASE = 7200
@@ -34,7 +34,8 @@ def php_binary() -> str:
 
 def runner_settings(root: Path = STANDIN_ROOT, **overrides: Any) -> RunnerSettings:
     settings = RunnerSettings(
-        command=RunnerCommand(php_binary(), root),
+        php=php_binary(),
+        phorge_root=root,
         classes=("Standin*",),
         max_tasks=10_000,
         max_age=3600.0,

@@ -23,14 +23,15 @@ import pytest
 import requests
 from phorge_env import Phorge, phorge_root, php_server
 
+from bridge.errors import ConduitAuthError
 from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure
-from bridge.handlers.conduit_proxy import ConduitProxyHandler
-from bridge.handlers.feed import FeedPublisherHTTPHandler
 from bridge.handlers.outcome import run_handlers
-from bridge.phorge.conduit import ConduitAuthError, ConduitClient
 from bridge.phorge.extension import check, install
 from bridge.phorge.php import http_build_query
 from bridge.queue.model import Outcome
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.feed import FeedPublisherHTTPHandler
+from bridge.transports.conduit.handler import ConduitProxyHandler
 
 # Runs inside Phorge (scripts/init/init-script.php): the test's window on Phorge's side.
 HELPER = r"""<?php

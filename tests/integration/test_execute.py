@@ -28,9 +28,11 @@ from bridge.config import load_settings
 from bridge.engine.batch import run_task
 from bridge.engine.context import Runtime
 from bridge.engine.run import backoff
+from bridge.errors import DatabaseUnavailable
 from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
+from bridge.metrics import count_runs
 from bridge.queue import OperatorActions, Outcome, PhorgeQueue, make_engine
 from bridge.queue import retry as retry_module
 from bridge.queue import statements as sql
@@ -44,12 +46,11 @@ from bridge.queue.model import (
     NewTask,
     TaskFilter,
 )
-from bridge.queue.retry import DatabaseUnavailable
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 from bridge.queue.schema import worker_taskdata as taskdata
 from bridge.queue.session import LeaseSession
-from bridge.runtime import execute as execute_module
+from bridge.runtime import tasks as execute_module
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, Sent
 
 pytestmark = pytest.mark.mariadb
@@ -101,6 +102,7 @@ def rt(mysql_engine: Engine, probe: Probe) -> Iterator[Runtime]:
         }
     )
     registry = Registry([PhabricatorTestWorker(), probe])
+    count_runs()  # the renewals are counted by the metrics' observer, as in a worker
     runtime = Runtime(settings, PhorgeQueue(make_engine(url), REPORT_ATTEMPTS), registry)
     yield runtime
     runtime.queue.engine.dispose()

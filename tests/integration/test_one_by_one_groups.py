@@ -18,8 +18,9 @@ from sqlalchemy import BigInteger, Engine, cast, select, update
 from bridge.config import load_settings
 from bridge.engine.batch import Batch
 from bridge.engine.context import Runtime
-from bridge.handlers.api import Handler, TaskContext
-from bridge.handlers.breaker import CircuitBreaker
+from bridge.handlers.api import TaskContext
+from bridge.handlers.availability import Availability
+from bridge.handlers.capabilities import TransportHandler
 from bridge.handlers.registry import Registry
 from bridge.queue import Outcome, PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.mariadb
 CLASS = "BridgeOneByOneWorker"
 
 
-class OneByOne(Handler):
+class OneByOne(TransportHandler):
     """Runs its tasks one by one (no ``run_batch`` of its own), their outcomes one commit.
 
     Data: ``sleep`` seconds, ``lease`` (its required lease), ``free`` (an id to hand back
@@ -45,7 +46,7 @@ class OneByOne(Handler):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.left: dict[int, int] = {}
-        self.breaker: CircuitBreaker | None = None
+        self.availability: Availability | None = None
 
     def required_lease(self, task: TaskContext) -> int | None:
         return task.data.get("lease")
@@ -94,7 +95,7 @@ def leased(rt: Runtime, *data: dict, seconds: int = 60) -> tuple[str, list[Lease
 
 def outcomes(batch: Batch) -> dict[int, Outcome]:
     """Each task's outcome (recorded as written: a group's all at once, at its end)."""
-    return {item.id: ran.outcome for item, ran, _ in batch.ran}
+    return {item.id: ran.outcome for item, ran, _ in batch.reports}
 
 
 def test_a_later_task_gets_its_required_lease_from_its_own_start(rt: Runtime) -> None:
@@ -124,8 +125,8 @@ def test_a_task_freed_while_its_group_runs_does_not_start(rt: Runtime) -> None:
 
 def test_a_task_whose_transport_is_down_is_handed_back_at_once(rt: Runtime) -> None:
     transport = handler(rt)
-    transport.breaker = CircuitBreaker(lambda: "PHP is missing")
-    transport.breaker.failure("PHP is missing")
+    transport.availability = Availability(lambda: "PHP is missing")
+    transport.availability.failure("PHP is missing")
     owner, items = leased(rt, {}, {})
     batch = Batch(rt, owner, None)
     batch.run(items)

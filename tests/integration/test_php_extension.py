@@ -16,19 +16,19 @@ from pathlib import Path
 
 import pytest
 
+from bridge.errors import PhorgeRootError
 from bridge.phorge import extension as phorge_extension
 from bridge.phorge.extension import (
     EXTENSION_FILENAME,
     EXTENSION_FILES,
+    RUNNER_FILENAME,
     TASK_RUN_FILENAME,
     ExtensionState,
-    PhorgeRootError,
     check,
     install,
     shipped_file,
     shipped_source,
 )
-from bridge.phorge.runner_process import RUNNER_FILENAME
 
 
 def php_binary() -> str:
@@ -39,15 +39,19 @@ def php_binary() -> str:
 
 
 def shipped_php_files() -> list[Path]:
-    directory = resources.files("bridge").joinpath("phorge")
-    files = [Path(str(entry)) for entry in directory.iterdir() if entry.name.endswith(".php")]
-    assert files, "no PHP file shipped in bridge/phorge"
+    package = Path(str(resources.files("bridge")))
+    files = sorted(package.rglob("*.php"))
+    assert files, "no PHP file shipped in bridge/"
     return files
 
 
 def test_shipped_files_are_the_extension_and_the_runner() -> None:
     assert sorted(p.name for p in shipped_php_files()) == sorted(
         [*EXTENSION_FILES, RUNNER_FILENAME]
+    )
+    # Each where ``shipped_file`` looks for it: with the transport it serves.
+    assert sorted(shipped_php_files()) == sorted(
+        shipped_file(name) for name in [*EXTENSION_FILES, RUNNER_FILENAME]
     )
 
 
@@ -243,14 +247,19 @@ def test_the_cli_installs_and_checks_the_extension(tmp_path: Path) -> None:
     assert not_phorge.exit_code == 1 and "does not look like a Phorge checkout" in not_phorge.output
 
 
-def test_worker_version_reports_this_release_and_the_hash_doctor_compares() -> None:
+def test_worker_version_reports_this_release_and_the_hash_doctor_compares(
+    tmp_path: Path,
+) -> None:
     """doctor compares worker.version's sha256 (PHP's digest of the installed files, as
     getExtensionHash() computes it) with the shipped bytes', and shows the release, the
     package's own."""
     source = shipped_source().decode()
     start = source.index("  private static function getExtensionHash() {")
     body = source[source.index("{", start) + 1 : source.index("\n  }\n", start)]
-    methods = shipped_file(EXTENSION_FILENAME)
+    # Installed, the extension's files lie side by side (shipped, each with its transport).
+    for name in EXTENSION_FILES:
+        shutil.copyfile(shipped_file(name), tmp_path / name)
+    methods = tmp_path / EXTENSION_FILENAME
     code = f"function h() {{ {body.replace('__FILE__', json.dumps(str(methods)))} }} echo h();"
     php_hash = subprocess.run(
         [php_binary(), "-n", "-r", code],

@@ -22,13 +22,15 @@ import pytest
 from bridge_harness import wait_until
 from php_standin import STANDIN_ROOT, context, php_binary, runner_handler, runner_settings
 
+from bridge.assembly import build_runtime
 from bridge.config import load_settings
 from bridge.engine.batch import Batch
-from bridge.engine.context import build_runtime
+from bridge.errors import RunnerBootError
+from bridge.handlers.capabilities import is_available
 from bridge.handlers.outcome import run_handler
-from bridge.phorge.runner_pool import PoolListener, Restart, RunnerPool
-from bridge.phorge.runner_process import RunnerBootError, RunnerProcess
 from bridge.queue.model import DEFAULT_RETRY_WAIT, Leased, Outcome
+from bridge.transports.php_runner.pool import PoolListener, Restart, RunnerPool
+from bridge.transports.php_runner.process import RunnerCommand, RunnerProcess
 
 
 def ran_by(result) -> int:
@@ -164,7 +166,7 @@ def test_a_dying_task_fails_alone_with_its_reason_and_wait(fault: str) -> None:
         after = run_handler(handler, context("StandinPidWorker"))
         assert after.outcome is Outcome.SUCCESS and ran_by(after) != before
         assert heard.live == 1
-        assert not handler.breaker.is_open  # a task's fault is not the runner's
+        assert not handler.availability.is_open  # a task's fault is not the runner's
     with pytest.raises(ProcessLookupError):
         os.kill(before, 0)
 
@@ -246,7 +248,7 @@ def test_a_threads_worker_gets_a_process_per_slot() -> None:
     heard = Heard()
     with runner_handler() as handler:
         handler.pool.listeners.append(heard)
-        handler.warm(4)
+        handler.start(4)
         assert len(heard.pids) == 4
         results = []
         gate = threading.Barrier(4)
@@ -267,7 +269,7 @@ def test_a_threads_worker_gets_a_process_per_slot() -> None:
 
 def test_warm_processes_boot_together_before_the_first_task() -> None:
     with runner_handler() as handler:
-        handler.warm(1)
+        handler.start(1)
         [process] = handler.pool._idle
         process.ready(10)  # booted meanwhile: the first task pays no bootstrap
         assert process.php_version
@@ -284,16 +286,18 @@ def test_a_runner_that_cannot_boot_holds_its_classes_back(
     down.touch()
     monkeypatch.setenv("STANDIN_DOWN_FILE", str(down))
     with runner_handler() as handler:
-        handler.warm(1)
+        handler.start(1)
         held = run_handler(handler, context("StandinPidWorker"))
         assert held.outcome is Outcome.HANDED_BACK  # for a worker whose PHP boots
-        assert handler.breaker.is_open and not handler.available()
-        assert "Unable to establish a connection to any database host" in handler.breaker.reason
+        assert handler.availability.is_open and not is_available(handler)
+        assert (
+            "Unable to establish a connection to any database host" in handler.availability.reason
+        )
         assert "no failure counted" in caplog.text
         errors = [r for r in caplog.records if r.levelname == "ERROR" and "PHP runner" in r.message]
         assert len(errors) == 1  # one clear line, however many tasks and probes
         down.unlink()
-        wait_until(handler.available, 10, "the runner to come back once Phorge boots")
+        wait_until(lambda: is_available(handler), 10, "the runner to come back once Phorge boots")
         assert run_handler(handler, context("StandinPidWorker")).outcome is Outcome.SUCCESS
 
 
@@ -307,20 +311,20 @@ def test_a_runner_that_cannot_boot_holds_its_classes_back(
 )
 def test_a_wrong_path_or_missing_php_is_nobodys_failure(settings: dict, reason: str) -> None:
     base = runner_settings()
-    command = replace(
-        base.command,
-        php=settings.get("php", base.command.php),
-        phorge_root=settings.get("root", base.command.phorge_root),
+    broken = replace(
+        base,
+        php=settings.get("php", base.php),
+        phorge_root=settings.get("root", base.phorge_root),
     )
-    with runner_handler(replace(base, command=command)) as handler:
+    with runner_handler(broken) as handler:
         held = run_handler(handler, context("StandinPidWorker"))
         assert held.outcome is Outcome.HANDED_BACK
-        assert reason in handler.breaker.reason and not handler.available()
+        assert reason in handler.availability.reason and not is_available(handler)
 
 
 def test_boot_errors_say_why() -> None:
     with pytest.raises(RunnerBootError, match="not a Phorge checkout"):
-        RunnerProcess(replace(runner_settings().command, phorge_root=Path("/tmp"))).ready(10)
+        RunnerProcess(RunnerCommand(runner_settings().php, Path("/tmp"))).ready(10)
 
 
 # -- no orphans -------------------------------------------------------------------------------
@@ -329,7 +333,7 @@ ORPHAN_PARENT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from bridge.phorge.runner_process import RunnerCommand, RunnerProcess
+    from bridge.transports.php_runner.process import RunnerCommand, RunnerProcess
     process = RunnerProcess(RunnerCommand(sys.argv[1], Path(sys.argv[2])))
     process.ready(30)
     if sys.argv[3] == "busy":
@@ -416,7 +420,7 @@ def test_a_message_with_dying_tasks_fails_them_alone_and_writes_every_outcome(
         (owner,) = {t.lease_owner for t in leased.values()}
         batch = Batch(rt, owner or "", None)
         batch.run([Leased(i, 0, c) for i, c in zip(ids, classes, strict=True)])
-        ended = [ran.outcome for _, ran, _ in batch.ran]
+        ended = [ran.outcome for _, ran, _ in batch.reports]
         assert ended == [Outcome.SUCCESS, Outcome.FAILURE, Outcome.SUCCESS,
                          Outcome.FAILURE, Outcome.FAILURE, Outcome.SUCCESS]  # fmt: skip
         rows = {i: rt.queue.get(i) for i in ids}
@@ -426,6 +430,6 @@ def test_a_message_with_dying_tasks_fails_them_alone_and_writes_every_outcome(
                 assert row.archived and row.result == 0
             else:
                 assert not row.archived and row.failure_count == 1, task_class
-        assert "killed by SIGSEGV" in batch.ran[4][1].reason
+        assert "killed by SIGSEGV" in batch.reports[4][1].reason
     finally:
         runner.pool.close()

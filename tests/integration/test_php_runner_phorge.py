@@ -24,9 +24,10 @@ import pytest
 import sqlalchemy as sa
 from phorge_env import Phorge, phorge_root, worker_database_url
 
+from bridge.assembly import build_runtime
 from bridge.config import load_settings
 from bridge.engine.batch import Batch
-from bridge.engine.context import Runtime, build_runtime
+from bridge.engine.context import Runtime
 from bridge.queue.model import Leased, Outcome
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
@@ -214,8 +215,8 @@ def test_a_maniphest_edit_through_the_runner_has_phds_effects(
         (owner,) = {task.lease_owner for task in leased}
         batch = Batch(rt, owner or "", None)
         batch.run([Leased(t.id, t.failure_count, t.task_class, t.raw_data) for t in leased])
-        ended = {ran.outcome for _, ran, _ in batch.ran}
-        assert ended <= {Outcome.SUCCESS, Outcome.PERMANENT_FAILURE}, batch.ran
+        ended = {ran.outcome for _, ran, _ in batch.reports}
+        assert ended <= {Outcome.SUCCESS, Outcome.PERMANENT_FAILURE}, batch.reports
 
     def through_phorge(ids: list[int]) -> None:
         for task_id in ids:

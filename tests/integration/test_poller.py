@@ -24,15 +24,15 @@ from bridge.config import load_settings
 from bridge.engine import pace, poll
 from bridge.engine.context import Runtime
 from bridge.handlers.api import Handler, TaskContext
-from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.registry import Registry
-from bridge.phorge.conduit import ConduitClient
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.dialect import db_now
 from bridge.queue.model import Lease, NewTask, TaskFilter, lease_epoch
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 from bridge.runtime import dispatch
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.handler import ConduitProxyHandler
 
 pytestmark = pytest.mark.mariadb
 
@@ -239,11 +239,11 @@ def test_proxied_classes_wait_while_conduit_is_down(make_runtime, sent):
         enqueue(rt, FAST)
         [php_only] = enqueue(rt, "PhabricatorSearchWorker")
         poll_once(rt)
-        assert {m.task_class for m in sent} == {FAST} and proxy.breaker.is_open
+        assert {m.task_class for m in sent} == {FAST} and proxy.availability.is_open
         up = True
-        proxy.breaker._next_probe = 0  # the next probe is due
+        proxy.availability._next_probe = 0  # the next probe is due
         poll_once(rt)
-        assert [m.task_id for m in sent[1:]] == [php_only] and not proxy.breaker.is_open
+        assert [m.task_id for m in sent[1:]] == [php_only] and not proxy.availability.is_open
 
 
 def test_expired_leases_are_leased_again_under_a_new_owner(make_runtime, sent):

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import update
 
-from bridge.engine.metrics import QueueCollector
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.registry import Registry
+from bridge.metrics.queue import QueueCollector
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.beat_lock import BeatLock
 from bridge.queue.model import NewTask

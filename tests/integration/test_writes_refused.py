@@ -180,7 +180,7 @@ def test_no_task_of_a_batch_starts_while_writes_are_refused(rt, probe, read_only
     rest = batch.run([Leased(t.id, t.failure_count, PROBE) for t in tasks])
     timers[0].join()
     assert rest == []
-    assert [ran.outcome for _, ran, _ in batch.ran] == [Outcome.SUCCESS] * 3
+    assert [ran.outcome for _, ran, _ in batch.reports] == [Outcome.SUCCESS] * 3
     started = dict(probe.started)
     assert started[tasks[1].id] >= off_at[0], "the next task started before writes returned"
     assert all(len(archived(rt, t.id)) == 1 for t in tasks)
@@ -198,7 +198,7 @@ def test_a_refusal_longer_than_the_lease_gives_the_outcome_up_and_the_rest_back(
     # The first task ran; its outcome could not be written within its lease, so the lease
     # will expire and the task run again, as after a crash. The others never started and
     # go back (still leased) for the caller to send on.
-    [(item, ran, _)] = batch.ran
+    [(item, ran, _)] = batch.reports
     assert (item.id, ran.outcome) == (tasks[0].id, Outcome.UNREPORTED)
     assert READ_ONLY_ERROR in ran.reason
     assert [i.id for i in rest] == [t.id for t in tasks[1:]]

@@ -1,4 +1,4 @@
-"""Handlers that run several tasks in one call (``Handler.batch_limit``): the engine
+"""Handlers that run several tasks in one call (``BatchHandler.batch_limit``): the engine
 hands them runs of a message's tasks, checked first, and writes each outcome fenced by
 its own lease."""
 
@@ -7,17 +7,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from bridge.assembly import build_runtime
 from bridge.config import load_settings
 from bridge.engine.batch import Batch
-from bridge.engine.context import Runtime, build_runtime
+from bridge.engine.context import Runtime
 from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.capabilities import BatchHandler
 from bridge.queue import Outcome
 from bridge.queue.model import Leased
 
 CLASS = "BridgeBatchedWorker"
 
 
-class Batched(Handler):
+class Batched(BatchHandler):
     """Ends each task as its data says; remembers the ids of every call."""
 
     task_classes = (CLASS,)
@@ -67,7 +69,7 @@ def test_a_message_runs_in_calls_of_batch_limit_and_each_outcome_is_its_own(tmp_
     assert batch.run(items) == []
     ids = [item.id for item in items]
     assert handler.calls == [ids[0:3], ids[3:6], ids[6:7]]
-    assert [ran.outcome for _, ran, _ in batch.ran] == [
+    assert [ran.outcome for _, ran, _ in batch.reports] == [
         Outcome.SUCCESS,
         Outcome.FAILURE,
         Outcome.YIELD,
@@ -94,7 +96,7 @@ def test_a_task_whose_lease_is_gone_is_left_out_of_the_call(tmp_path: Path):
     batch = Batch(rt, owner, None)
     batch.run(items)
     assert handler.calls == [[items[0].id, items[2].id]]
-    assert [ran.outcome for _, ran, _ in batch.ran] == [
+    assert [ran.outcome for _, ran, _ in batch.reports] == [
         Outcome.LEASE_LOST,
         Outcome.SUCCESS,
         Outcome.SUCCESS,
@@ -115,7 +117,7 @@ def test_other_classes_break_the_run_and_go_one_at_a_time(tmp_path: Path):
     mixed = [Leased(other, 0, "PhabricatorTestWorker")]
     assert batch.run(mixed) == []
     assert handler.calls == []
-    assert batch.ran[0][1].outcome is Outcome.SUCCESS
+    assert batch.reports[0][1].outcome is Outcome.SUCCESS
     batch = Batch(rt, owner, None)
     batch.run(items)
     assert handler.calls == [[items[0].id, items[1].id]]

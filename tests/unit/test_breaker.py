@@ -1,4 +1,5 @@
-"""The Conduit circuit breaker, on a fake clock, and the proxy and client around it."""
+"""A transport's availability (Conduit's circuit breaker), on a fake clock, and the proxy
+and client around it."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from itertools import pairwise
 import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result, execute_answer
 
+from bridge.errors import ConduitTransportError
 from bridge.handlers.api import HandBack, TaskContext
-from bridge.handlers.breaker import CircuitBreaker
-from bridge.handlers.conduit_proxy import ConduitProxyHandler
-from bridge.phorge.conduit import ConduitClient, ConduitTransportError
+from bridge.handlers.availability import Availability
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.handler import ConduitProxyHandler
 
 
 class Clock:
@@ -31,7 +33,7 @@ def test_opens_once_backs_off_from_1_to_60_s_and_closes_on_the_first_success(
         probes.append(clock.now)
         return answers[-1]
 
-    breaker = CircuitBreaker(probe, clock=clock)
+    breaker = Availability(probe, clock=clock)
     changes: list[bool] = []
     breaker.listeners.append(changes.append)
     breaker.failure("refused")
@@ -54,7 +56,7 @@ def test_opens_once_backs_off_from_1_to_60_s_and_closes_on_the_first_success(
 
 def test_verify_probes_a_closed_breaker_only_when_its_evidence_is_stale() -> None:
     clock, probes = Clock(), []
-    breaker = CircuitBreaker(lambda: probes.append(clock.now) or "down", clock=clock)
+    breaker = Availability(lambda: probes.append(clock.now) or "down", clock=clock)
     breaker.success()
     assert breaker.verify() and probes == []  # fresh evidence
     clock.now += 6
@@ -79,12 +81,12 @@ def test_the_proxy_holds_tasks_back_without_calling_while_open() -> None:
         proxy = ConduitProxyHandler(ConduitClient(server.url, TOKEN))
         with pytest.raises(HandBack):
             proxy.run(task())
-        assert proxy.breaker.is_open
+        assert proxy.availability.is_open
         with pytest.raises(HandBack, match="held back"):
             proxy.run(task())  # before the first probe is due: no request at all
         assert len(server.requests) == 1
         down["on"] = False
-        proxy.breaker._next_probe = 0  # the probe is due
+        proxy.availability._next_probe = 0  # the probe is due
         proxy.run(task())
         assert [r.path for r in server.requests[1:]] == ["/api/user.whoami", "/api/worker.execute"]
 

@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 
 from bridge.cli import watch
 from bridge.cli.main import main
-from bridge.engine.run import Ran
+from bridge.engine.run import RunReport
 from bridge.engine.tracing import TaskLogFilter, TaskTrace, new_traceparent, traced
 from bridge.errors import TaskFailed
 from bridge.queue import NewTask, Outcome, PhorgeQueue, TaskFilter
@@ -60,7 +60,7 @@ def celery_quote(line: str, outcome: Outcome) -> str:
     return f"Task bridge.execute[{uuid4()}] raised expected: {TaskFailed(line)!r}"
 
 
-def run_log(path: Path, queue: PhorgeQueue, task_id: int, ran: Ran) -> None:
+def run_log(path: Path, queue: PhorgeQueue, task_id: int, ran: RunReport) -> None:
     """Append the lines a worker logs for one run of ``task_id``, tagged as it tags them:
     the dispatch, the outcome, and Celery's own line quoting the outcome."""
     task = queue.get(task_id)
@@ -164,7 +164,7 @@ def test_list_reads_the_last_reason_from_the_log_and_the_data_verdict_without_on
 ):
     flaky, corrupt = queue.enqueue(WORKER, {"n": 1}), queue.enqueue(WORKER, {"n": 2})
     log = tmp_path / "worker.log"
-    run_log(log, queue, flaky, Ran(Outcome.FAILURE, "mail server down", 300))
+    run_log(log, queue, flaky, RunReport(Outcome.FAILURE, "mail server down", 300))
     with queue.engine.begin() as conn:
         data_id = conn.execute(select(active.c.dataID).where(active.c.id == corrupt)).scalar_one()
         conn.exec_driver_sql("UPDATE worker_taskdata SET data = '{nope' WHERE id = ?", (data_id,))
@@ -186,11 +186,11 @@ def test_show_tells_the_whole_story_of_one_task_from_its_row_and_its_runs(cli, q
     task_id, neighbour = ids[0], ids[9]  # ids 1 and 10: 10's lines are not 1's
     log = tmp_path / "worker.log"
     first = leased(queue, task_id)
-    run_log(log, queue, task_id, Ran(Outcome.FAILURE, "mail server down", -1))
+    run_log(log, queue, task_id, RunReport(Outcome.FAILURE, "mail server down", -1))
     assert outcomes.fail_temporary(queue, task_id, first, -1)
-    run_log(log, queue, neighbour, Ran(Outcome.PERMANENT_FAILURE, "not me"))
+    run_log(log, queue, neighbour, RunReport(Outcome.PERMANENT_FAILURE, "not me"))
     second = leased(queue, task_id)
-    run_log(log, queue, task_id, Ran(Outcome.PERMANENT_FAILURE, "bad address"))
+    run_log(log, queue, task_id, RunReport(Outcome.PERMANENT_FAILURE, "bad address"))
     assert outcomes.fail_permanent(queue, task_id, second)
 
     told = json.loads(cli("show", "--id", str(task_id), "--log", str(log), "--json").stdout)
@@ -217,9 +217,9 @@ def test_show_tells_the_whole_story_of_one_task_from_its_row_and_its_runs(cli, q
 def test_the_reason_is_the_bridges_outcome_line_not_celerys_quote_of_it(cli, queue, tmp_path):
     flaky, broken, waiting = (queue.enqueue(WORKER, {"n": n}) for n in range(3))
     log = tmp_path / "worker.log"
-    run_log(log, queue, flaky, Ran(Outcome.FAILURE, "mail server down", 300))
-    run_log(log, queue, broken, Ran(Outcome.PERMANENT_FAILURE, "bad address"))
-    run_log(log, queue, waiting, Ran(Outcome.YIELD, "import running", 60))
+    run_log(log, queue, flaky, RunReport(Outcome.FAILURE, "mail server down", 300))
+    run_log(log, queue, broken, RunReport(Outcome.PERMANENT_FAILURE, "bad address"))
+    run_log(log, queue, waiting, RunReport(Outcome.YIELD, "import running", 60))
     assert "raised expected: TaskFailed('PhabricatorTestWorker#1: failure: " in log.read_text()
     reasons = {i: row["reason"] for i, row in listed(cli, "--log", str(log)).items()}
     assert reasons == {

@@ -15,11 +15,11 @@ from typing import Any
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result, execute_answer
 
 from bridge.handlers.api import TaskContext
-from bridge.handlers.conduit_proxy import ConduitProxyHandler
 from bridge.handlers.outcome import run_handlers
-from bridge.phorge.conduit import ConduitClient
-from bridge.phorge.request_slots import RequestSlots
 from bridge.queue.model import Outcome
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.handler import ConduitProxyHandler
+from bridge.transports.conduit.request_slots import RequestSlots
 
 
 def task(task_id: int, task_class: str = "PhabricatorSearchWorker") -> TaskContext:
@@ -75,7 +75,7 @@ def test_an_outage_hands_the_whole_batch_back_without_a_failure() -> None:
         handler = proxy(server.url)
         results = run_handlers(handler, [task(1), task(2), task(3)])
     assert [r.outcome for r in results] == [Outcome.HANDED_BACK] * 3
-    assert not handler.breaker.allow()
+    assert not handler.availability.allow()
 
 
 def test_an_extension_older_than_batches_gets_one_task_a_request() -> None:

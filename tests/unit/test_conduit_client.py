@@ -10,17 +10,15 @@ from pathlib import Path
 import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
-from bridge.config import ConfigError, load_settings
-from bridge.phorge.conduit import (
-    AUTH_ERROR_CODES,
+from bridge.config import ConduitSettings, ConfigError, load_settings
+from bridge.errors import (
     ConduitAuthError,
-    ConduitClient,
     ConduitError,
     ConduitMethodNotFoundError,
-    ConduitSettings,
     ConduitTimeoutError,
     ConduitTransportError,
 )
+from bridge.transports.conduit.client import AUTH_ERROR_CODES, ConduitClient
 
 
 def client_for(server: FakeServer, **kwargs: float) -> ConduitClient:

@@ -17,15 +17,11 @@ from conduit_fakes import (
 )
 
 from bridge.handlers.api import HandBack, PermanentFailure, TaskContext, TemporaryFailure, Yield
-from bridge.handlers.conduit_proxy import (
-    PHORGE_REQUIRED_LEASES,
-    ConduitProxyHandler,
-    apply_result,
-    execute_params,
-)
 from bridge.handlers.outcome import run_handler
-from bridge.phorge.conduit import ConduitClient
 from bridge.queue.model import NewTask, Outcome
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.handler import PHORGE_REQUIRED_LEASES, ConduitProxyHandler
+from bridge.transports.task_run import apply_result, execute_params
 
 RAW = '{"key":7713765376809813936,"uri":"https:\\/\\/hooks.example\\/x","n":[]}'
 

@@ -92,7 +92,7 @@ ACCEPTED = [
     ("BRIDGE_METRICS_PORT", "65535", "metrics_port", range(65535, 65536)),
     ("BRIDGE_METRICS_PORT", "9100-9103", "metrics_port", range(9100, 9104)),
     ("BRIDGE_METRICS_ADDRESS", "0.0.0.0", "metrics_address", "0.0.0.0"),
-    ("BRIDGE_PHORGE_ROOT", "/srv/phorge", "runner.command.phorge_root", Path("/srv/phorge")),
+    ("BRIDGE_PHORGE_ROOT", "/srv/phorge", "runner.phorge_root", Path("/srv/phorge")),
     ("BRIDGE_RUNNER_CLASSES", "*Search*, *Mail*", "runner_classes", ("*Search*", "*Mail*")),
     ("BRIDGE_RUNNER_PHP", "/usr/bin/php8.2", "runner_php", None),
     ("BRIDGE_RUNNER_MAX_TASKS", "1", "runner_max_tasks", 1),
@@ -196,7 +196,7 @@ def test_the_runner_settings_go_together():
         }
     ).runner
     assert runner is not None
-    assert (runner.command.php, runner.classes) == ("php8.2", ("*Search*",))
+    assert (runner.php, runner.classes) == ("php8.2", ("*Search*",))
     assert runner.reload_stamp == Path("/srv/deployed")
     assert (runner.max_tasks, runner.max_age, runner.max_rss) == (10_000, 3600.0, 512 * 2**20)
 

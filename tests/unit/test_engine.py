@@ -16,11 +16,13 @@ from sqlalchemy import select
 
 import bridge.engine
 from bridge import Yield, handler
+from bridge.assembly import build_runtime
 from bridge.config import load_settings
-from bridge.engine import batch, context, poll, run
+from bridge.engine import batch, context, observers, poll, run
 from bridge.engine.batch import Batch, run_task
-from bridge.engine.context import Runtime, build_runtime
-from bridge.engine.run import Ran, RunObserver, observe
+from bridge.engine.context import Runtime
+from bridge.engine.observers import RunObserver, observe
+from bridge.engine.run import RunReport
 from bridge.handlers.api import TaskContext
 from bridge.handlers.registry import Registry
 from bridge.queue import Lease, Outcome, PhorgeQueue
@@ -40,10 +42,11 @@ def test_the_engine_imports_and_runs_in_a_hostile_environment_without_celery(tmp
         f"""
         import sys
         from bridge.engine import batch, context, poll, run, writes
+        from bridge.assembly import build_runtime
         from bridge.config import load_settings
         assert "celery" not in sys.modules and "kombu" not in sys.modules, "Celery loaded"
         settings = load_settings({{"BRIDGE_DATABASE_URL": "sqlite:///{tmp_path}/q.db"}})
-        rt = context.build_runtime(settings)
+        rt = build_runtime(settings)
         rt.queue.enqueue("PhabricatorTestWorker", {{}})
         [task] = rt.queue.lease(1, 60)
         print(batch.run_task(rt, task.lease).outcome)
@@ -65,8 +68,8 @@ class Recorder(RunObserver):
     def run_started(self, lease: Lease) -> None:
         self.events.append(("started", lease.task_id, lease.owner))
 
-    def run_ended(self, item: Leased, ran: Ran) -> None:
-        self.events.append(("ended", item.id, ran.outcome.value))
+    def run_ended(self, item: Leased, report: RunReport) -> None:
+        self.events.append(("ended", item.id, report.outcome.value))
 
 
 def test_an_observer_hears_each_run_start_and_end(tmp_path: Path):
@@ -95,17 +98,40 @@ def test_an_observer_hears_each_run_start_and_end(tmp_path: Path):
 
 def test_the_engines_seams_are_importable_from_it():
     """The names docs/architecture.md gives for running tasks without Celery."""
-    from bridge.engine import Batch, RunObserver, build_runtime, observe, poll_once, run_task
+    from bridge.engine import (
+        Batch,
+        RunObserver,
+        RunReport,
+        Runtime,
+        observe,
+        open_runtime,
+        poll_once,
+        run_task,
+    )
 
-    assert (Batch, run_task, RunObserver, observe) == (
+    assert (Batch, run_task, RunObserver, observe, RunReport) == (
         batch.Batch,
         batch.run_task,
-        run.RunObserver,
-        run.observe,
+        observers.RunObserver,
+        observers.observe,
+        run.RunReport,
     )
-    assert (build_runtime, poll_once) == (context.build_runtime, poll.poll_once)
+    assert (Runtime, open_runtime, poll_once) == (
+        context.Runtime,
+        context.open_runtime,
+        poll.poll_once,
+    )
     assert sorted(bridge.engine.__all__) == sorted(
-        ["Batch", "RunObserver", "build_runtime", "observe", "poll_once", "run_task"]
+        [
+            "Batch",
+            "RunObserver",
+            "RunReport",
+            "Runtime",
+            "observe",
+            "open_runtime",
+            "poll_once",
+            "run_task",
+        ]
     )
 
 
@@ -127,7 +153,7 @@ def test_a_short_yield_reports_the_5_s_it_is_held_back(
     ran_by = Batch(rt, task.lease_owner or "", None)
     with caplog.at_level(logging.INFO, logger="bridge.engine.batch"):
         ran_by.run([Leased(task_id, task.failure_count, "ShortYield")])
-    [(_, ran, line)] = ran_by.ran
+    [(_, ran, line)] = ran_by.reports
     assert (ran.outcome, ran.wait) == (Outcome.YIELD, 5)
     assert line == f"ShortYield#{task_id}: yield (due again in 5 s)"
     # As logged (a worker's lines end with the task's tag, once Celery's hooks are in).

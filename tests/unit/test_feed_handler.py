@@ -19,9 +19,9 @@ import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 
 from bridge.handlers.api import PermanentFailure, TaskContext, TemporaryFailure, Yield
-from bridge.handlers.feed import FeedPublisherHTTPHandler, redact_uri, retry_wait
-from bridge.phorge.conduit import ConduitClient
 from bridge.phorge.php import http_build_query, php_float_to_string, php_urlencode
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.feed import FeedPublisherHTTPHandler, redact_uri, retry_wait
 
 KEY = 7713765376809813936
 
@@ -342,10 +342,10 @@ def test_conduit_outages_yield_without_a_failure(caplog: pytest.LogCaptureFixtur
 
 
 def test_every_attempt_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="bridge.handlers.feed")
+    caplog.set_level(logging.INFO, logger="bridge.transports.conduit.feed")
     setup = Setup(Reply(503))
     setup.run(failure_count=4)
-    lines = [r.getMessage() for r in caplog.records if r.name == "bridge.handlers.feed"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "bridge.transports.conduit.feed"]
     assert any(
         setup.hook.url + "/hook?[redacted]" in line and "HTTP 503" in line and "attempt 5" in line
         for line in lines

@@ -17,12 +17,12 @@ from flower.command import apply_options
 from flower.options import options
 from flower.views.tasks import visible_task_columns
 
-from bridge.engine.run import Ran
+from bridge.engine.run import RunReport
 from bridge.queue import Outcome
 from bridge.queue.model import Leased
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, Sent, ids_repr, search_term
-from bridge.runtime.execute import batch_summary
 from bridge.runtime.quiet_polls import QuietPollLines, QuietTask
+from bridge.runtime.tasks import batch_summary
 
 ROOT = Path(__file__).parents[2]
 CONFIG = ROOT / "compose" / "flowerconfig.py"
@@ -110,9 +110,9 @@ def test_beats_info_line_about_sending_a_poll_is_dropped(task, shown):
 def test_a_batch_result_names_each_outcome_and_where_the_rest_went():
     a, b, c, d, e, f = (Leased(n, 0, "Worker") for n in (1, 2, 3, 4, 5, 6))
     ran = [
-        (a, Ran(Outcome.SUCCESS), ""),
-        (b, Ran(Outcome.YIELD, wait=5), ""),
-        (c, Ran(Outcome.SUCCESS), ""),
+        (a, RunReport(Outcome.SUCCESS), ""),
+        (b, RunReport(Outcome.YIELD, wait=5), ""),
+        (c, RunReport(Outcome.SUCCESS), ""),
     ]
     sent = [Sent(EXECUTE_BATCH, "m1", [d, e])]
     assert batch_summary(ran, sent, [f]) == (

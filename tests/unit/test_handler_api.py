@@ -21,6 +21,7 @@ from bridge import (
     Yield,
     handler,
 )
+from bridge.assembly import build_registry, instantiate
 from bridge.config import load_settings
 from bridge.engine import run_task
 from bridge.engine.context import Runtime
@@ -28,7 +29,7 @@ from bridge.errors import DuplicateHandlerError
 from bridge.handlers.api import stored_data
 from bridge.handlers.outcome import policy, run_handler
 from bridge.handlers.phabricator import PhabricatorTestWorker
-from bridge.handlers.registry import Registry, build_registry, instantiate
+from bridge.handlers.registry import Registry
 from bridge.handlers.testing import run
 from bridge.queue import PhorgeQueue
 from bridge.queue.model import PRIORITY_DEFAULT

@@ -29,7 +29,8 @@ import pytest
 import yaml
 from prometheus_tools import prometheus_binary
 
-import bridge.engine.metrics
+import bridge.metrics
+import bridge.transports
 from bridge.config import Settings, load_settings
 from bridge.errors import ConfigError
 
@@ -269,9 +270,16 @@ def queries(query: str) -> list[tuple[str, str, str]]:
     return [(query[: s.start()], s[1], s[2]) for s in SELECTOR.finditer(query)]
 
 
+def metrics_sources() -> list[Path]:
+    """Where the bridge declares its metrics: ``bridge.metrics`` and each transport's."""
+    package = Path(bridge.metrics.__file__).parent
+    transports = Path(bridge.transports.__file__).parent
+    return sorted(package.glob("*.py")) + sorted(transports.glob("*/metrics.py"))
+
+
 def query_problems(where: str, query: str, matchers: str) -> list[str]:
     problems = []
-    exported = Path(bridge.engine.metrics.__file__).read_text()
+    exported = "".join(path.read_text() for path in metrics_sources())
     for before, metric, labels in queries(query):
         if not before.endswith("max("):
             problems.append(f"{where}: {metric} is not taken as max over workers")

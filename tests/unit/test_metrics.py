@@ -11,28 +11,30 @@ from pathlib import Path
 
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-from bridge.engine.metrics import ProcessesCollector
+from bridge.metrics.exporter import ProcessesCollector
 
 # A worker's life in small: metrics imported (prometheus_client in its single-process
 # mode), the switch before the fork, a child that counts and exits, a scrape.
 FORKING_WORKER = textwrap.dedent(
     """
     import os, sys
-    from bridge.engine import metrics
+    from bridge import metrics
+    from bridge.metrics import exporter
+    from bridge.transports.conduit import metrics as conduit_metrics
 
-    directory = metrics.count_across_processes()
+    directory = exporter.count_across_processes()
     print(directory, flush=True)
-    metrics.CONDUIT_BREAKER_OPEN.set(0)
+    conduit_metrics.CONDUIT_BREAKER_OPEN.set(0)
     child = os.fork()
     if child == 0:
         metrics.outcome_counter("Worker", "success").inc(3)
-        metrics.CONDUIT_BREAKER_OPEN.set(1)
+        conduit_metrics.CONDUIT_BREAKER_OPEN.set(1)
         metrics.LAST_POLL.set(1234)
         os._exit(0)
     os.waitpid(child, 0)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in metrics.ProcessesCollector(directory).collect()
+        for family in exporter.ProcessesCollector(directory).collect()
         for s in family.samples
     }
     success = (("outcome", "success"), ("task_class", "Worker"))

@@ -92,7 +92,7 @@ def test_every_module_imports_and_a_task_runs_on_sqlite_without_the_driver(tmp_p
         import bridge
         from bridge.config import load_settings
         from bridge.engine.batch import run_task
-        from bridge.engine.context import build_runtime
+        from bridge.assembly import build_runtime
 
         for module in pkgutil.walk_packages(bridge.__path__, "bridge."):
             if not module.name.endswith("__main__"):

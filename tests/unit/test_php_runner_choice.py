@@ -3,9 +3,9 @@ checkout is set and the class matches BRIDGE_RUNNER_CLASSES), then Conduit."""
 
 from __future__ import annotations
 
+from bridge.assembly import build_registry
 from bridge.config import load_settings
-from bridge.handlers.php_runner import PhpRunnerHandler
-from bridge.handlers.registry import build_registry
+from bridge.transports.php_runner.handler import PhpRunnerHandler
 
 TOKEN = "api-" + "a" * 28
 CONDUIT = {"BRIDGE_CONDUIT_URL": "https://phorge.example", "BRIDGE_CONDUIT_TOKEN": TOKEN}

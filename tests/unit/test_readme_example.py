@@ -20,8 +20,9 @@ import pytest
 
 import bridge.handlers.testing
 from bridge import Outcome
+from bridge.assembly import ENTRY_POINT_GROUP, instantiate
 from bridge.config import load_settings
-from bridge.handlers.registry import ENTRY_POINT_GROUP, Registry, instantiate
+from bridge.handlers.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

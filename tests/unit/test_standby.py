@@ -6,22 +6,25 @@ from pathlib import Path
 
 import pytest
 
+from bridge.assembly import build_runtime
 from bridge.config import load_settings
-from bridge.engine.context import Runtime, build_runtime
+from bridge.engine.context import Runtime
 from bridge.engine.poll import plan
 from bridge.engine.standby import MIN_STANDBY, standby_seconds
-from bridge.handlers.api import Handler, TaskContext
-from bridge.handlers.breaker import CircuitBreaker
+from bridge.handlers.api import TaskContext
+from bridge.handlers.availability import Availability
+from bridge.handlers.capabilities import TransportHandler, availability_of
 
 PHP_ONLY = "PhabricatorSearchWorker"
 NATIVE = "PhabricatorTestWorker"  # the shipped native handler
 
 
-class Transport(Handler):
-    """Stands for the PHP runner: every class no native handler claims, behind a breaker."""
+class Transport(TransportHandler):
+    """Stands for the PHP runner: every class no native handler claims, behind its
+    availability."""
 
     def __init__(self) -> None:
-        self.breaker = CircuitBreaker(lambda: "PHP is missing", min_backoff=3, max_backoff=3)
+        self.availability = Availability(lambda: "PHP is missing", min_backoff=3, max_backoff=3)
 
     def run(self, task: TaskContext) -> None:
         raise AssertionError("not run here")
@@ -55,9 +58,11 @@ def one_queue(tmp_path: Path) -> Runtime:
     return runtime(tmp_path / "one", "")
 
 
-def transport(rt: Runtime) -> CircuitBreaker:
-    assert rt.registry.fallback is not None and rt.registry.fallback.breaker is not None
-    return rt.registry.fallback.breaker
+def transport(rt: Runtime) -> Availability:
+    assert rt.registry.fallback is not None
+    availability = availability_of(rt.registry.fallback)
+    assert availability is not None
+    return availability
 
 
 def test_a_queue_whose_classes_all_go_through_a_down_transport_is_stood_by(rt: Runtime) -> None:

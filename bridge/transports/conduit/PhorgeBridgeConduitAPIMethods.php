@@ -122,33 +122,6 @@ abstract class PhorgeBridgeConduitAPIMethod extends ConduitAPIMethod {
       ->setErrorDescription($message);
   }
 
-  final protected function readInteger(array $values, $key, $minimum) {
-    $value = idx($values, $key);
-    if (is_string($value) && preg_match('/^-?\d+\z/', $value)) {
-      $value = (int)$value;
-    }
-    if (!is_int($value) || $value < $minimum) {
-      throw $this->newParameterException(
-        pht(
-          'Parameter "%s" must be an integer no smaller than %d.',
-          $key,
-          $minimum));
-    }
-    return $value;
-  }
-
-  final protected function readOptionalString(array $values, $key) {
-    $value = idx($values, $key);
-    if ($value === null || $value === '') {
-      return null;
-    }
-    if (!is_string($value)) {
-      throw $this->newParameterException(
-        pht('Parameter "%s" must be a string or null.', $key));
-    }
-    return $value;
-  }
-
 }
 
 
@@ -227,34 +200,12 @@ final class PhorgeBridgeWorkerExecuteConduitAPIMethod
   }
 
   private function readTask(array $spec) {
-    $task_id = $this->readInteger($spec, 'taskID', 1);
-    $failure_count = $this->readInteger($spec, 'failureCount', 0);
-    $priority = $this->readInteger($spec, 'priority', 0);
-    $object_phid = $this->readOptionalString($spec, 'objectPHID');
-    $container_phid = $this->readOptionalString($spec, 'containerPHID');
-
-    $task_class = idx($spec, 'taskClass');
-    if (!is_string($task_class) || !strlen($task_class)) {
-      throw $this->newParameterException(
-        pht('Parameter "taskClass" must be a non-empty string.'));
+    // The spec is read and checked by the task run, as the runner's are.
+    try {
+      return PhorgeBridgeTaskRun::newTaskFromSpec($spec);
+    } catch (PhorgeBridgeTaskSpecException $ex) {
+      throw $this->newParameterException($ex->getMessage());
     }
-
-    $raw_data = idx($spec, 'data');
-    if (!is_string($raw_data)) {
-      throw $this->newParameterException(
-        pht(
-          'Parameter "data" must be the raw JSON string of the task\'s '.
-          'worker_taskdata row.'));
-    }
-
-    return PhorgeBridgeTaskRun::newTask(
-      $task_id,
-      $task_class,
-      $raw_data,
-      $failure_count,
-      $priority,
-      $object_phid,
-      $container_phid);
   }
 
 }

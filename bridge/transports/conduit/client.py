@@ -18,24 +18,28 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import requests
 
-from bridge.errors import ConduitAuthError as ConduitAuthError
-from bridge.errors import ConduitError as ConduitError
-from bridge.errors import ConduitMethodNotFoundError as ConduitMethodNotFoundError
-from bridge.errors import ConduitTimeoutError as ConduitTimeoutError
-from bridge.errors import ConduitTransportError as ConduitTransportError
+from bridge.config import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    ConduitSettings,
+    validate_base_url,
+    validate_token,
+)
+from bridge.errors import (
+    ConduitAuthError,
+    ConduitError,
+    ConduitMethodNotFoundError,
+    ConduitTimeoutError,
+    ConduitTransportError,
+)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONNECT_TIMEOUT = 5.0
-# A proxied worker runs inside this one HTTP request; cutting it short while PHP carries on
-# invites a second run, so the default is generous (Phorge's own daemons have no limit).
-DEFAULT_READ_TIMEOUT = 600.0
 
 # Error codes meaning "the caller's credentials are not good enough": Phorge's own
 # (PhabricatorConduitAPIController, ConduitCall) plus the one our extension raises for an
@@ -44,8 +48,6 @@ AUTH_ERROR_CODES = frozenset(
     {"ERR-INVALID-AUTH", "ERR-INVALID-SESSION", "ERR-OAUTH-ACCESS", "ERR-BRIDGE-PERMISSION"}
 )
 
-# Phorge's PhabricatorConduitToken types: "api-", "cli-", "clr-" and 32 characters in all.
-_TOKEN_RE = re.compile(r"\A(?:api|cli|clr)-[A-Za-z0-9]{28}\Z")
 _METHOD_RE = re.compile(r"\A[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)+\Z")
 _JSON_SHIELD = b"for (;;);"
 _EXCERPT_CHARS = 240
@@ -60,55 +62,6 @@ def _parse_timeout(name: str, value: float | str) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
     return seconds
-
-
-def validate_base_url(url: str) -> str:
-    """Phorge's base URI without a trailing slash; raises ValueError saying what is wrong."""
-    url = url.strip()
-    if not url:
-        raise ValueError("Phorge's base URI must not be empty")
-    parts = urlsplit(url)
-    if parts.scheme not in {"http", "https"} or not parts.hostname:
-        raise ValueError(f"expected an http:// or https:// URI of Phorge, got {url!r}")
-    if parts.username or parts.password:
-        raise ValueError("must not carry credentials; the API token is a setting of its own")
-    if parts.query or parts.fragment:
-        raise ValueError(f"must not have a query or fragment, got {url!r}")
-    path = parts.path.rstrip("/")
-    if path.endswith("/api"):
-        raise ValueError(
-            "give Phorge's base URI (e.g. https://phorge.example.com), not its /api/ endpoint"
-        )
-    return f"{parts.scheme}://{parts.netloc}{path}"
-
-
-def validate_token(token: str) -> str:
-    """Check the shape Phorge requires of an API token; the message never repeats the token."""
-    token = token.strip()
-    if not token:
-        raise ValueError("the API token must not be empty")
-    if not _TOKEN_RE.match(token):
-        raise ValueError(
-            "not a Phorge API token (expected 32 characters starting with "
-            "'api-', 'cli-' or 'clr-'; the value is not shown)"
-        )
-    return token
-
-
-@dataclass(frozen=True)
-class ConduitSettings:
-    """How to reach Phorge's Conduit API (``bridge.config`` reads and checks them)."""
-
-    url: str
-    token: str = field(repr=False)
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
-    read_timeout: float = DEFAULT_READ_TIMEOUT
-    verify_tls: bool = True
-    # The proxy's: tasks per worker.execute request, and requests in flight per worker.
-    batch: int = 16
-    max_requests: int = 1
-    # The setting the token came from, for messages that ask an operator to fix it.
-    token_setting: str = "BRIDGE_CONDUIT_TOKEN"
 
 
 def _body_excerpt(body: bytes, scrub: Callable[[str], str]) -> str:

@@ -17,10 +17,11 @@ from urllib.parse import urlsplit
 
 import requests
 
+from bridge.errors import ConduitError
 from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure
-from bridge.handlers.conduit_proxy import conduit_failure, trace_headers
-from bridge.phorge.conduit import ConduitClient, ConduitError
 from bridge.phorge.php import PHP_PRECISION, http_build_query
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.handler import conduit_failure, trace_headers
 
 logger = logging.getLogger(__name__)
 

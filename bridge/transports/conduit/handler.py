@@ -3,47 +3,33 @@
 The bridge keeps the lease and records the outcome; Phorge only runs the worker and says
 how it ended. Problems reaching Phorge are never archived permanently: that would lose
 work an operator can still save. An outage (the web tier down, a refused token) is not
-the task's failure at all: the task yields, no failure counted, and the process's circuit
-breaker (``bridge.handlers.breaker``) holds proxied work back until Conduit answers
-again. What PHP reports for the task (a 500, an error answer) keeps Phorge's semantics.
+the task's failure at all: the task is handed back, no failure counted, and the
+process's :class:`~bridge.handlers.availability.Availability` of Conduit holds proxied
+work back until Conduit answers again. What PHP reports for the task (a 500, an error
+answer) keeps Phorge's semantics.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
-from bridge.handlers.api import (
-    HandBack,
-    Handler,
-    PermanentFailure,
-    TaskContext,
-    TemporaryFailure,
-    Yield,
-    report_measured_duration,
-    stored_data,
-)
-from bridge.handlers.breaker import CircuitBreaker
-from bridge.phorge.conduit import (
+from bridge.errors import (
     ConduitAuthError,
-    ConduitClient,
     ConduitError,
     ConduitMethodNotFoundError,
     ConduitTimeoutError,
     ConduitTransportError,
 )
-from bridge.phorge.request_slots import RequestSlots
-from bridge.queue.model import (
-    DEFAULT_LEASE_SECONDS,
-    DEFAULT_RETRY_WAIT,
-    MIN_YIELD_SECONDS,
-    PRIORITY_DEFAULT,
-    Outcome,
-    check_priority,
-)
+from bridge.handlers.api import HandBack, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.availability import Availability
+from bridge.handlers.capabilities import BatchHandler, run_each
+from bridge.queue.model import DEFAULT_LEASE_SECONDS, DEFAULT_RETRY_WAIT, MIN_YIELD_SECONDS
+from bridge.transports.conduit.client import ConduitClient
+from bridge.transports.conduit.request_slots import RequestSlots
+from bridge.transports.task_run import READ_ONLY_YIELD, apply_result, execute_params, optional_int
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +37,7 @@ WORKER_EXECUTE = "worker.execute"
 
 ERR_READ_ONLY = "ERR-BRIDGE-READ-ONLY"  # raised by the extension in read-only mode
 ERR_PARAMETER = "ERR-BRIDGE-PARAMETER"  # the extension refused the request's parameters
-READ_ONLY_YIELD = 300
-# A task of a handler without a breaker (the feed hook) yields this long in an outage.
+# A task of a handler without an availability (the feed hook) yields this long in an outage.
 OUTAGE_YIELD = MIN_YIELD_SECONDS
 PROBE_METHOD = "user.whoami"
 PROBE_TIMEOUT = 5.0
@@ -73,119 +58,9 @@ PHORGE_REQUIRED_LEASES: Mapping[str, int] = {
 LEASE_MARGIN = 60
 
 
-def raw_task_data(task: TaskContext) -> str:
-    """The task's worker_taskdata.data string, untouched when the runtime provides it.
-
-    PHP must decode the very bytes Phorge stored; re-encoding is only a fallback (it is
-    lossless for JSON's values, Python ints being exact).
-    """
-    raw = stored_data(task)
-    return raw if isinstance(raw, str) else json.dumps(task.data)
-
-
-def execute_params(task: TaskContext) -> dict[str, Any]:
-    """The ``worker.execute`` parameters for one leased task."""
-    return {
-        "taskID": task.id,
-        "taskClass": task.task_class,
-        "data": raw_task_data(task),
-        "failureCount": task.failure_count,
-        "priority": task.priority,
-        "objectPHID": task.object_phid,
-        "containerPHID": task.container_phid,
-        "traceparent": task.traceparent,
-    }
-
-
 def trace_headers(task: TaskContext) -> dict[str, str]:
     """The W3C trace context header of the execution, for whatever the handler calls."""
     return {"traceparent": task.traceparent} if task.traceparent else {}
-
-
-def _optional_int(value: Any) -> int | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _queue_followups(task: TaskContext, followups: Any) -> None:
-    """Queue what the PHP worker queued; a malformed entry is logged and skipped, because
-    failing here would re-run a worker that already succeeded."""
-    if followups in (None, []):
-        return
-    if not isinstance(followups, list):
-        logger.error("task %s: worker.execute returned malformed followups; ignored", task.id)
-        return
-    for entry in followups:
-        if not isinstance(entry, dict) or not isinstance(entry.get("taskClass"), str):
-            logger.error("task %s: malformed follow-up %r skipped", task.id, entry)
-            continue
-        options = entry.get("options")
-        # PHP encodes an empty options array as [].
-        if not isinstance(options, dict):
-            options = {}
-        priority = _optional_int(options.get("priority"))
-        try:
-            check_priority(priority if priority is not None else PRIORITY_DEFAULT)
-        except ValueError as exc:
-            # PHP would write it; the queue refuses it: the parent's, as for a native parent.
-            logger.warning(
-                "task %s: follow-up %.64s gets the default priority instead of %s: %s",
-                task.id,
-                entry["taskClass"],
-                priority,
-                exc,
-            )
-            priority = None
-        try:
-            task.queue_task(
-                entry["taskClass"],
-                entry.get("data"),
-                priority=priority,
-                object_phid=options.get("objectPHID") or None,
-                container_phid=options.get("containerPHID") or None,
-                delay_until=_optional_int(options.get("delayUntil")) or None,
-            )
-        except ValueError as exc:  # the queue would refuse it when archiving the parent
-            logger.error(
-                "task %s: follow-up %.64s skipped, the queue refuses it: %s",
-                task.id,
-                entry["taskClass"],
-                exc,
-            )
-
-
-def apply_result(task: TaskContext, result: Any) -> None:
-    """Turn a ``worker.execute`` result into the handler outcome (return or raise).
-
-    Its ``result`` is one of the queue's :class:`Outcome` values, as the extension sends.
-    """
-    if not isinstance(result, dict):
-        raise TemporaryFailure(f"worker.execute returned {type(result).__name__}, not a dict")
-    for warning in result.get("warnings") or ():
-        logger.warning("task %s (%s): Phorge: %s", task.id, task.task_class, warning)
-    outcome = result.get("result")
-    message = result.get("message") or ""
-    if outcome == Outcome.SUCCESS:
-        duration = _optional_int(result.get("duration"))
-        if duration is not None and duration >= 0:
-            report_measured_duration(task, duration)
-        _queue_followups(task, result.get("followups"))
-        return
-    if outcome == Outcome.YIELD:
-        seconds = _optional_int(result.get("yieldDuration")) or 0
-        raise Yield(delay=max(seconds, MIN_YIELD_SECONDS))
-    if outcome == Outcome.PERMANENT_FAILURE:
-        raise PermanentFailure(message or "permanent failure (no message)")
-    if outcome == Outcome.FAILURE:
-        raise TemporaryFailure(
-            message or "failure (no message)", delay=_optional_int(result.get("retryWait"))
-        )
-    logger.error("task %s: worker.execute returned unknown result %r", task.id, outcome)
-    raise TemporaryFailure(f"worker.execute returned an unknown result: {outcome!r}")
 
 
 def outage_reason(exc: ConduitError, client: ConduitClient) -> str | None:
@@ -213,13 +88,13 @@ def conduit_failure(
     exc: ConduitError,
     task: TaskContext,
     client: ConduitClient,
-    breaker: CircuitBreaker | None = None,
+    availability: Availability | None = None,
 ) -> TemporaryFailure | Yield | HandBack:
     """The outcome for a Conduit problem (never permanent), logged as loudly as it deserves.
 
-    An outage opens ``breaker``, which logs it once, and hands the task back (no failure
-    counted) for a worker that reaches Phorge; without a breaker (nothing holds the
-    class back meanwhile) the task yields instead.
+    An outage turns ``availability`` down, which logs it once, and hands the task back
+    (no failure counted) for a worker that reaches Phorge; without one (nothing holds
+    the class back meanwhile: the feed hook) the task yields instead.
     """
     if exc.error_code == ERR_READ_ONLY:
         # Phorge cannot run anything now; the task is not at fault, so no failure is counted.
@@ -227,13 +102,13 @@ def conduit_failure(
         return Yield(str(exc), delay=READ_ONLY_YIELD)
     reason = outage_reason(exc, client)
     if reason is not None:
-        if breaker is not None:
-            breaker.failure(reason)
+        if availability is not None:
+            availability.failure(reason)
             return HandBack(f"Conduit unavailable: {exc}")
         logger.error("task %s (%s): %s", task.id, task.task_class, reason)
         return Yield(f"Conduit unavailable: {exc}", delay=OUTAGE_YIELD)
-    if breaker is not None:
-        breaker.success()  # Phorge answered: the problem is this task's
+    if availability is not None:
+        availability.success()  # Phorge answered: the problem is this task's
     if isinstance(exc, ConduitMethodNotFoundError):
         logger.error(
             "Phorge at %s has no %s method: install the extension "
@@ -254,7 +129,7 @@ def conduit_failure(
     return TemporaryFailure(str(exc))
 
 
-class ConduitProxyHandler(Handler):
+class ConduitProxyHandler(BatchHandler):
     """Serves every task class without a native handler by calling Phorge's worker.execute.
 
     ``build_registry`` makes it the registry's fallback once Conduit is configured; it
@@ -263,7 +138,7 @@ class ConduitProxyHandler(Handler):
     holds one of the worker's ``slots`` while it is in flight.
     """
 
-    breaker: CircuitBreaker  # always one: the transport is Conduit
+    availability: Availability  # always one: the transport is Conduit
 
     def __init__(
         self,
@@ -275,12 +150,12 @@ class ConduitProxyHandler(Handler):
     ) -> None:
         self.client = client
         self.leases: dict[str, int] = {**PHORGE_REQUIRED_LEASES, **(lease_overrides or {})}
-        self.breaker = CircuitBreaker(self.probe)
+        self.availability = Availability(self.probe)
         self.batch_limit = batch
         self.slots = slots
 
     def probe(self) -> str | None:
-        """The breaker's probe: None when Conduit answers and accepts the token, else why not.
+        """The availability's probe: None when Conduit answers and accepts the token, else why not.
 
         ``user.whoami`` rather than ``conduit.ping``: Phorge answers ping without checking
         the token, so a revoked token would look healthy.
@@ -314,16 +189,16 @@ class ConduitProxyHandler(Handler):
             )
 
     def _held_back(self) -> HandBack:
-        return HandBack(f"held back while Conduit is unavailable: {self.breaker.reason}")
+        return HandBack(f"held back while Conduit is unavailable: {self.availability.reason}")
 
     def run(self, task: TaskContext) -> None:
-        if not self.breaker.allow():
+        if not self.availability.allow():
             raise self._held_back()
         try:
             result = self._execute(execute_params(task), self._read_timeout(task), task)
         except ConduitError as exc:
-            raise conduit_failure(exc, task, self.client, self.breaker) from None
-        self.breaker.success()
+            raise conduit_failure(exc, task, self.client, self.availability) from None
+        self.availability.success()
         self._check_lease(task, result)
         apply_result(task, result)
 
@@ -332,8 +207,8 @@ class ConduitProxyHandler(Handler):
         required lease goes alone (it would hold the others back for hours), and so does
         every task when the installed extension predates batches."""
         if self.batch_limit == 1 or any(self.required_lease(t) is not None for t in tasks):
-            return super().run_batch(tasks)
-        if not self.breaker.allow():
+            return run_each(self, tasks)
+        if not self.availability.allow():
             return [self._held_back() for _ in tasks]
         params = {"tasks": [execute_params(task) for task in tasks]}
         try:
@@ -346,10 +221,10 @@ class ConduitProxyHandler(Handler):
                     self.client.base_url,
                 )
                 self.batch_limit = 1
-                return super().run_batch(tasks)
-            failure = conduit_failure(exc, tasks[0], self.client, self.breaker)
+                return run_each(self, tasks)
+            failure = conduit_failure(exc, tasks[0], self.client, self.availability)
             return [failure for _ in tasks]
-        self.breaker.success()
+        self.availability.success()
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or len(results) != len(tasks):
             logger.error("worker.execute answered a batch of %d with %.200r", len(tasks), answer)
@@ -368,7 +243,7 @@ class ConduitProxyHandler(Handler):
     def _check_lease(self, task: TaskContext, result: Any) -> None:
         if not isinstance(result, dict):
             return
-        wanted = _optional_int(result.get("requiredLease"))
+        wanted = optional_int(result.get("requiredLease"))
         held = self.required_lease(task)
         if wanted is not None and wanted > (held if held is not None else DEFAULT_LEASE_SECONDS):
             logger.warning(

@@ -2,15 +2,15 @@
 
 When ``BRIDGE_PHORGE_ROOT`` names the host's Phorge checkout, the classes no native
 handler serves (those matching ``BRIDGE_RUNNER_CLASSES``) run in this worker process's
-:class:`~bridge.phorge.runner_pool.RunnerPool`, each process Phorge bootstrapped once,
+:class:`~bridge.transports.php_runner.pool.RunnerPool`, each process Phorge bootstrapped once,
 instead of paying a whole web request through Conduit. The PHP side is the same task run
-as ``worker.execute``'s, so the answer is read by the proxy's :func:`apply_result`.
+as ``worker.execute``'s, so the answer is read by ``bridge.transports.task_run``.
 
 A task whose PHP dies (a fatal error, ``exit()``, a segfault, memory exhausted) or runs
 past its lease (its process is killed a little before the lease ends) fails temporarily,
 with the reason in PHP's words and the worker's own wait, asked of a fresh process. A
 runner that cannot boot is nobody's failure: the task is handed back at once, for a
-worker whose PHP runs, and the breaker holds the classes back here until a process boots
+worker whose PHP runs, and its availability holds the classes back here until a process boots
 again.
 """
 
@@ -19,16 +19,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from bridge.handlers.api import HandBack, Handler, TaskContext, TemporaryFailure, Yield
-from bridge.handlers.breaker import CircuitBreaker
-from bridge.handlers.conduit_proxy import READ_ONLY_YIELD, apply_result, execute_params
-from bridge.phorge.runner_pool import RunnerPool
-from bridge.phorge.runner_process import RunnerBootError, RunnerDied, RunnerTimedOut
+from bridge.errors import RunnerBootError, RunnerDied, RunnerTimedOut
+from bridge.handlers.api import HandBack, PermanentFailure, TaskContext, TemporaryFailure, Yield
+from bridge.handlers.availability import Availability
+from bridge.handlers.capabilities import TransportHandler
 from bridge.queue.model import DEFAULT_RETRY_WAIT
+from bridge.transports.php_runner.pool import RunnerPool
+from bridge.transports.task_run import READ_ONLY_YIELD, apply_result, execute_params
 
 log = logging.getLogger(__name__)
 
-BREAKER_NAME = "The PHP runner"
+NAME = "The PHP runner"  # in its availability's log lines
 # Boots are local and cheap: probe at least this often while the runner cannot boot, so
 # the classes come back within seconds of a fix.
 PROBE_BACKOFF_MAX = 5.0
@@ -40,35 +41,39 @@ LEASE_MARGIN_MAX = 60.0
 SHORT_REQUEST = 30.0
 
 
-class PhpRunnerHandler(Handler):
+class PhpRunnerHandler(TransportHandler):
     """Serves the PHP-only classes matching ``classes`` with the pool's processes."""
 
     phorge_defaults = True
-    breaker: CircuitBreaker  # always one: the runner can fail to boot
+    availability: Availability  # always one: the runner can fail to boot
     batch_limit = 16  # a message's tasks run in turn, their outcomes one commit
 
     def __init__(self, pool: RunnerPool, classes: tuple[str, ...], default_lease: int) -> None:
         self.pool = pool
         self.classes = classes
         self.default_lease = default_lease
-        self.breaker = CircuitBreaker(self.probe, name=BREAKER_NAME, max_backoff=PROBE_BACKOFF_MAX)
+        self.availability = Availability(self.probe, name=NAME, max_backoff=PROBE_BACKOFF_MAX)
         self._described: dict[str, dict[str, Any]] = {}
 
     def probe(self) -> str | None:
-        """The breaker's probe: None once a process is booted (booting one if none is)."""
+        """The availability's probe: None once a process is booted (booting one if none is)."""
         try:
             self.pool.check()
         except RunnerBootError as exc:
             return str(exc)
         return None
 
-    def warm(self, size: int) -> None:
-        """Start the pool's processes (at worker start); one that cannot start opens the
-        breaker, which says why once."""
+    def start(self, slots: int) -> None:
+        """Start the pool's processes (one per slot); one that cannot start turns the
+        availability down, which says why once."""
         try:
-            self.pool.warm(size)
+            self.pool.warm(slots)
         except RunnerBootError as exc:
-            self.breaker.failure(str(exc))
+            self.availability.failure(str(exc))
+
+    def stop(self) -> None:
+        """Stop the idle processes at once (a busy one ends with its task's pipe)."""
+        self.pool.close()
 
     def required_lease(self, task: TaskContext) -> int | None:
         lease = self._describe(task).get("requiredLease")
@@ -79,8 +84,8 @@ class PhpRunnerHandler(Handler):
         return count if isinstance(count, int) else None
 
     def run(self, task: TaskContext) -> None:
-        if not self.breaker.allow():
-            raise HandBack(f"held back: {self.breaker.reason}")
+        if not self.availability.allow():
+            raise HandBack(f"held back: {self.availability.reason}")
         lease = self.required_lease(task) or self.default_lease
         deadline = lease - min(LEASE_MARGIN_MAX, lease * LEASE_MARGIN_SHARE)
         try:
@@ -88,14 +93,18 @@ class PhpRunnerHandler(Handler):
                 process.tasks += 1
                 answer = process.request({"op": "run", "task": execute_params(task)}, deadline)
         except RunnerBootError as exc:
-            self.breaker.failure(str(exc))
+            self.availability.failure(str(exc))
             raise HandBack(f"held back: {exc}") from None
         except RunnerTimedOut as exc:
             reason = f"ran past its lease ({lease} s) and was stopped at {deadline:.0f} s: {exc}"
             raise self._died(task, reason) from None
         except RunnerDied as exc:
             raise self._died(task, str(exc)) from None
-        self.breaker.success()
+        self.availability.success()
+        if answer.get("type") == "error":
+            # The task spec PHP read from this row is not one Phorge can run (an empty
+            # class, a negative count): it never will be, so the task fails visibly.
+            raise PermanentFailure(f"the PHP runner refused the task: {answer.get('message')}")
         if answer.get("type") == "read-only":
             log.warning("task %s (%s): Phorge is read-only; yielding", task.id, task.task_class)
             raise Yield("Phorge is read-only", delay=READ_ONLY_YIELD)

@@ -76,8 +76,9 @@ final class PhorgeBridgeRunner {
     exit(0);
   }
 
+  // Shipped one directory up, shared with the Conduit methods.
   private static function taskRunPath() {
-    return dirname(__FILE__).'/PhorgeBridgeTaskRun.php';
+    return dirname(dirname(__FILE__)).'/PhorgeBridgeTaskRun.php';
   }
 
   private function boot($root) {
@@ -102,17 +103,19 @@ final class PhorgeBridgeRunner {
 
   private function answer(array $request) {
     $op = isset($request['op']) ? $request['op'] : null;
+    if (!in_array($op, array('run', 'describe', 'wait'), true)) {
+      return array('type' => 'error', 'message' => 'unknown op');
+    }
     $spec = isset($request['task']) && is_array($request['task'])
       ? $request['task']
       : array();
-    $task = PhorgeBridgeTaskRun::newTask(
-      idx($spec, 'taskID'),
-      idx($spec, 'taskClass'),
-      idx($spec, 'data'),
-      idx($spec, 'failureCount'),
-      idx($spec, 'priority'),
-      idx($spec, 'objectPHID'),
-      idx($spec, 'containerPHID'));
+    // Read and checked as worker.execute reads its tasks; a malformed spec
+    // is an invalid request, answered as one.
+    try {
+      $task = PhorgeBridgeTaskRun::newTaskFromSpec($spec);
+    } catch (PhorgeBridgeTaskSpecException $ex) {
+      return array('type' => 'error', 'message' => $ex->getMessage());
+    }
 
     switch ($op) {
       case 'run':

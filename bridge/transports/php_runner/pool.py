@@ -18,11 +18,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
+from bridge.config import RunnerSettings
 from bridge.errors import RunnerBootError, RunnerDied, RunnerTimedOut
-from bridge.phorge.runner_process import RunnerCommand, RunnerProcess
+from bridge.transports.php_runner.process import RunnerCommand, RunnerProcess
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +37,6 @@ class Restart(enum.Enum):
     RELOAD = "reload"
     DIED = "died"
     DEADLINE = "deadline"
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    """The runner's settings (``BRIDGE_PHORGE_ROOT`` and the ``BRIDGE_RUNNER_*`` ones)."""
-
-    command: RunnerCommand
-    classes: tuple[str, ...]
-    max_tasks: int
-    max_age: float
-    max_rss: int
-    reload_stamp: Path | None = None
 
 
 class PoolListener:
@@ -82,7 +69,7 @@ class RunnerPool:
         they boot meanwhile, together, and a task waits for the rest of its boot. A
         retired process is replaced the same way at once.
 
-        Raises :class:`~bridge.phorge.runner_process.RunnerBootError` when one cannot start.
+        Raises :class:`~bridge.transports.php_runner.process.RunnerBootError` when one cannot start.
         """
         if size is not None:
             self.size = max(1, size)
@@ -95,8 +82,8 @@ class RunnerPool:
                 self._idle.append(process)
 
     def check(self) -> None:
-        """Make sure one process is booted (starting one if none is live): the breaker's
-        probe. Raises :class:`~bridge.phorge.runner_process.RunnerBootError` saying why not."""
+        """Make sure one process is booted (starting one if none is live): the
+        availability's probe. Raises :class:`~bridge.errors.RunnerBootError` saying why not."""
         with self.checkout():
             pass
 
@@ -157,7 +144,7 @@ class RunnerPool:
         return self._booted(process)
 
     def _start(self) -> RunnerProcess:
-        process = RunnerProcess(self.settings.command)
+        process = RunnerProcess(RunnerCommand(self.settings.php, self.settings.phorge_root))
         for listener in self.listeners:
             listener.started(process)
         return process

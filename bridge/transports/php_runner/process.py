@@ -26,14 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bridge.errors import RunnerBootError as RunnerBootError
-from bridge.errors import RunnerDied as RunnerDied
-from bridge.errors import RunnerTimedOut as RunnerTimedOut
-from bridge.phorge.extension import shipped_file
+from bridge.errors import RunnerBootError, RunnerDied, RunnerTimedOut
+from bridge.phorge.extension import RUNNER_FILENAME, shipped_file
 
 log = logging.getLogger(__name__)
 
-RUNNER_FILENAME = "phorge-bridge-runner.php"
 HEADER = struct.Struct(">I")
 OUTPUT_LINES_KEPT = 20
 STOP_GRACE = 2.0  # seconds a process gets to exit at the end of its pipe
