@@ -2,7 +2,7 @@
 due, why it last ended, and (``show``) its whole story.
 
 Phorge has no status column: the queue layer reads a state off the row
-(``bridge.queue.model.classify``, which tells a retry wait or a yield that is over from
+(``bridge.queue.model.state_of``, which tells a retry wait or a yield that is over from
 a lease a crash left behind, ``lease-expired``), and an archived row has a result code,
 which the CLI names (success, failed, cancelled).
 """

@@ -191,7 +191,7 @@ class Batch:
         checked = [self.check(group[0], leases[0])]
         session = self.rt.queue.session
         checked += [
-            session.held(lease, item.data)
+            session.check(lease, item.data)
             for item, lease in zip(group[1:], leases[1:], strict=True)
         ]
         cleared: list[tuple[Leased, ClearedTask]] = []
@@ -244,7 +244,7 @@ class Batch:
         (unless they wait for this task's, :meth:`defers`)."""
         session = self.rt.queue.session
         if not self.staged or self.defers(item):
-            return session.held(lease, item.data)
+            return session.check(lease, item.data)
         staged, self.staged = self.staged, []
         try:
             written, task = session.write_then_check(
@@ -254,7 +254,7 @@ class Batch:
             self.report_writes(staged, self.write(staged, refused=exc))
             if not self.rt.writes.is_open:
                 raise  # the next task must not start
-            return session.held(lease, item.data)
+            return session.check(lease, item.data)
         except DatabaseUnavailable as exc:
             self.report_writes(staged, [exc] * len(staged))
             raise
@@ -262,7 +262,7 @@ class Batch:
             # The server refused the staged outcomes: they are tried, and fail, alone.
             self.staged = staged
             self.flush()
-            return session.held(lease, item.data)
+            return session.check(lease, item.data)
         self.report_writes(staged, list(written))
         return task
 

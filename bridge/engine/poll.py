@@ -27,7 +27,7 @@ from bridge.engine.standby import standby_seconds
 from bridge.errors import WritesRefused
 from bridge.handlers.api import Handler
 from bridge.handlers.capabilities import is_available
-from bridge.queue.model import Held, Leased
+from bridge.queue.model import InFlight, Leased
 
 
 class Send(Protocol):
@@ -115,11 +115,13 @@ def poll_once(rt: Runtime, send: Send, elsewhere: RunsElsewhere | None = None) -
         by_queue = plan(rt, elsewhere)
         served = [c for classes in by_queue.values() for c in classes]
         # An idle queue (the usual case between bursts) skips the capacity count.
-        held = rt.queue.held_by_class(settings.owner_prefix, served) if served else {}
+        in_flight = rt.queue.in_flight_by_class(settings.owner_prefix, served) if served else {}
         sent = 0
         for queue, classes in by_queue.items():
             try:
-                sent += fill(rt, send, queue, [held[c] for c in classes if c in held], classes, now)
+                sent += fill(
+                    rt, send, queue, [in_flight[c] for c in classes if c in in_flight], classes, now
+                )
             except WritesRefused as exc:
                 rt.writes.refused(exc)  # logged once; each poll probes until it ends
                 return sent
@@ -127,7 +129,7 @@ def poll_once(rt: Runtime, send: Send, elsewhere: RunsElsewhere | None = None) -
 
 
 def fill(
-    rt: Runtime, send: Send, queue: str, held: list[Held], classes: list[str], now: int
+    rt: Runtime, send: Send, queue: str, leases: list[InFlight], classes: list[str], now: int
 ) -> int:
     """Lease and send what ``queue`` may take now (see :mod:`bridge.engine.pace`).
 
@@ -137,12 +139,12 @@ def fill(
     """
     settings = rt.settings
     limit, ahead = settings.max_inflight.for_queue(queue), settings.dispatch_ahead
-    in_flight = sum(h.count for h in held)
+    in_flight = sum(h.count for h in leases)
     pace = None if ahead is None else Pace.of(rt.queue.recent_runs(classes, WINDOW))
     target = in_flight_target(pace, ahead, limit)
     urgent = in_flight >= target
     if urgent:
-        if in_flight >= limit or not held:
+        if in_flight >= limit or not leases:
             return 0
         wanted = min(limit - in_flight, max(1, round(pace.busy) if pace else 1))
     else:
@@ -154,7 +156,7 @@ def fill(
         classes,
         settings.inline_data_max,
         now=now,
-        priority_below=max(h.worst_priority for h in held) if urgent else None,
+        priority_below=max(h.worst_priority for h in leases) if urgent else None,
     )
     if not tasks:
         return 0

@@ -219,7 +219,7 @@ class Task:
         now = self.server_time if self.server_time is not None else int(time.time())
         if self.archived:
             return State.ARCHIVED
-        return classify(self.lease_owner, self.lease_expires, self.failure_time, now)
+        return state_of(self.lease_owner, self.lease_expires, self.failure_time, now)
 
     @property
     def lease(self) -> Lease:
@@ -253,7 +253,7 @@ def lease_epoch(owner: str | None) -> int | None:
     return int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
 
 
-def classify(owner: str | None, expires: int | None, failure_time: int | None, now: int) -> State:
+def state_of(owner: str | None, expires: int | None, failure_time: int | None, now: int) -> State:
     """The state of an active row (the same rule as ``statements.state_case``)."""
     if owner is None:
         return State.DELAYED if expires is not None and expires > now else State.QUEUED
@@ -316,7 +316,7 @@ class TaskFilter:
 
 
 @dataclass(frozen=True)
-class Held:
+class InFlight:
     """One class's live leases of the poller's owners: how many, and the largest priority
     number among them (an urgent row is one with a smaller number than this)."""
 

@@ -23,7 +23,7 @@ from bridge.queue.model import (
     DEFAULT_LEASE_SECONDS,
     PRIORITY_DEFAULT,
     RESULT_SUCCESS,
-    Held,
+    InFlight,
     Lease,
     Leased,
     NewTask,
@@ -305,16 +305,16 @@ class PhorgeQueue:
         rows = conn.execute(sql.select_expired(limit, where)).all()
         return conn.execute(sql.take_expired(rows, owner, seconds)).rowcount if rows else 0
 
-    def held_by_class(
+    def in_flight_by_class(
         self, owner_prefix: str, classes: Sequence[str] | None = None
-    ) -> dict[str, Held]:
+    ) -> dict[str, InFlight]:
         """Live, running leases per task class of every owner ``owner_prefix:...``, only
         of ``classes`` when given (cheaper: other classes' rows are never read)."""
         if classes is not None and not classes:
             return {}
         with self.engine.connect() as conn:
-            rows = conn.execute(sql.count_held_by_class(owner_prefix, classes)).all()
-        return {task_class: Held(count, worst) for task_class, count, worst in rows}
+            rows = conn.execute(sql.count_in_flight_by_class(owner_prefix, classes)).all()
+        return {task_class: InFlight(count, worst) for task_class, count, worst in rows}
 
     def recent_runs(self, classes: Sequence[str], window: int, limit: int = 500) -> RecentRuns:
         """The runs of ``classes`` (any result) among the newest ``limit`` rows archived

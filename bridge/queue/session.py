@@ -83,7 +83,7 @@ class Write(NamedTuple):
             confirm=(sql.ARCHIVED_BY, {**fence, "result": result}),
         )
 
-    def held(self, counts: Sequence[int]) -> bool:
+    def fence_held(self, counts: Sequence[int]) -> bool:
         if not self.archive:
             return counts[0] == 1
         inserted, deleted = counts
@@ -239,7 +239,7 @@ class LeaseSession:
     def _verdicts(self, writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:
         """Each write's verdict. When a connection was lost with the COMMIT in flight, a
         fence the retry found gone may be this very write's doing: the row tells."""
-        held = _held(writes, counts)
+        held = _fences_held(writes, counts)
         if self._lost_in_flight:
             held = [h or self.written(w) for h, w in zip(held, writes, strict=True)]
         return held
@@ -266,7 +266,7 @@ class LeaseSession:
 
     # -- the per-task path ------------------------------------------------------------
 
-    def held(self, lease: Lease, data_json: str | None = None) -> Task | None:
+    def check(self, lease: Lease, data_json: str | None = None) -> Task | None:
         """The task if ``lease`` still holds right now (a read, no write); its data is
         ``data_json`` (as its message carried it), else read with the row."""
         return self.write_then_check((), lease, data_json)[1]
@@ -340,11 +340,11 @@ def handed_back(lease: Lease) -> Write:
     return Write.guarded(sql.HAND_BACK, _fence(lease), sql.HANDED_BACK_FROM)
 
 
-def _held(writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:
+def _fences_held(writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:
     """Each write's verdict, from the row counts of all their statements in order."""
     held, at = [], 0
     for write in writes:
-        held.append(write.held(counts[at : at + len(write.steps)]))
+        held.append(write.fence_held(counts[at : at + len(write.steps)]))
         at += len(write.steps)
     return held
 

@@ -429,7 +429,9 @@ HANDED_BACK_FROM = select(active.c.id).where(
 """The active row a hand-back left (no owner, the failure count unchanged)."""
 
 
-def count_held_by_class(owner_prefix: str, classes: Sequence[str] | None = None) -> Select[Any]:
+def count_in_flight_by_class(
+    owner_prefix: str, classes: Sequence[str] | None = None
+) -> Select[Any]:
     """Live leases per class whose owner is ``owner_prefix:...`` (the poller's capacity):
     how many, and the largest priority number among them.
 
@@ -605,7 +607,7 @@ def select_tasks(table: Table, selector: TaskFilter) -> Select[Any]:
 
 
 def state_case(now: int) -> ColumnElement[str]:
-    """The SQL twin of ``model.classify``: an active row's state at ``now``."""
+    """The SQL twin of ``model.state_of``: an active row's state at ``now``."""
     c = active.c
     due = or_(c.leaseExpires.is_(None), c.leaseExpires <= now)
     return case(

@@ -1,11 +1,6 @@
-"""EVERY use of the bridge's Python API by the bench, and only here.
-
-Public seams only, imported inside the functions (the rest of the kit runs without the
-bridge installed): ``bridge.config.current_settings``, ``bridge.assembly.build_runtime``,
-and ``bridge.engine``'s ``poll_once``, ``Batch``, ``observe`` and ``RunObserver``.
-Otherwise the bridge is a black box: ``celery -A bridge beat|worker`` configured by ``BRIDGE_*``
-variables, and the Celery task names below (its public contract: Flower shows them).
-"""
+"""EVERY use of the bridge's Python API by the bench, public seams only, imported inside
+the functions (the rest of the kit runs without the bridge). Otherwise the bridge is a black
+box: ``celery -A bridge beat|worker``, ``BRIDGE_*`` settings and the task names below."""
 
 from __future__ import annotations
 
@@ -36,25 +31,15 @@ def observe_runs(started: Callable[[int], None], ended: Callable[[int], None]) -
     observe(Timing())
 
 
-def build_runtime() -> Callable[[Any], Any]:
-    """``bridge.assembly.build_runtime``: the runtime a worker builds from its settings."""
-    from bridge.assembly import build_runtime
-
-    return build_runtime
-
-
 def sql_loop(ready: Path) -> None:
-    """The bridge's per-task SQL without Celery (``python3 -m benchkit.records READY
-    RECORDS``, configured by ``BRIDGE_*``): a poll's lease, each message's worth of tasks
-    run in process as a worker runs them, until a poll leases nothing. No broker, no
-    message, no process hop: the bridge through Celery can approach it, not pass it.
-
-    Started, it connects (one empty poll), touches ``ready``, waits for a line on stdin,
-    drains, then waits for stdin to close, so the bench reads its CPU while it lives."""
+    """The bridge's per-task SQL without Celery, a ceiling: polls' leases, each message's
+    worth run in process, until a poll leases nothing. Touches ``ready`` after one empty
+    poll, drains on a line on stdin, exits when it closes (the bench reads its CPU first)."""
+    from bridge.assembly import build_runtime
     from bridge.config import current_settings
     from bridge.engine import Batch, poll_once
 
-    rt = build_runtime()(current_settings())
+    rt = build_runtime(current_settings())
 
     def send(owner: str, tasks: Sequence[Any], queue: str, size: int, repoll_at: Any = None) -> int:
         for at in range(0, len(tasks), size):  # a message's worth, as a worker runs them

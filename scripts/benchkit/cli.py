@@ -1,9 +1,7 @@
-"""``scripts/bench``: set everything up, run the plan scenario by scenario, write the report.
+"""``scripts/bench``: set up, run the plan scenario by scenario, write the report.
 
-Every resource enters one ``ExitStack`` as soon as it exists, and every consumer is
-stopped in a ``finally``: all is stopped and removed on the way out, also on an error,
-Ctrl-C or SIGTERM.
-"""
+Every resource enters one ``ExitStack`` as it is made and every consumer stops in a
+``finally``: all is removed on the way out, also on an error, Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -45,10 +43,9 @@ class Bench:
     def __init__(
         self, stack: ExitStack, args: argparse.Namespace, tuned: dict[str, str], notes: list[str]
     ) -> None:
-        self.args, self.tuned, self.notes = args, tuned, notes
-        self.scratch = Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="bridge-bench-"))
-        )
+        self.tuned = tuned
+        scratch = tempfile.TemporaryDirectory(prefix="bridge-bench-")
+        self.scratch = Path(stack.enter_context(scratch))
         self.broker = stack.enter_context(rabbit.broker(REPO, log))
         log(f"starting a durable MariaDB on 127.0.0.1:{args.port}")
         self.server = stack.enter_context(mariadb.private_server(args.port, self.scratch))
@@ -60,10 +57,8 @@ class Bench:
         scenarios = plan.build(args.quick, bool(root), args.only)
         if root and any("phd" in s.kind or s.kind.startswith("php-") for s in scenarios):
             try:
-                found = phorge.install(
-                    Path(root), self.server, self.conn, self.scratch, log, args.web_port
-                )
-                install = stack.enter_context(found)
+                setup = (self.server, self.conn, self.scratch, log, args.web_port)
+                install = stack.enter_context(phorge.install(Path(root), *setup))
                 if any(s.kind.startswith("php-") for s in scenarios):
                     # Before the queue tables are recreated: making users queues rows.
                     install = stack.enter_context(phorge.prepare(install, log))
@@ -85,9 +80,8 @@ class Bench:
             raise BenchError(f"not run: {self.phorge_error.splitlines()[0]}")
         if s.kind in ("phd", "php-phd"):
             assert self.phorge
-            return Phd(
-                name, scratch, root=self.phorge.root, env=self.phorge.env, processes=s.concurrency
-            )
+            root, env = self.phorge.root, self.phorge.env
+            return Phd(name, scratch, root=root, env=env, processes=s.concurrency)
         overrides, web = self.tuned if s.settings == "tuned" else {}, {}
         if self.phorge and s.kind == "php-runner":
             overrides = {"BRIDGE_PHORGE_ROOT": str(self.phorge.root)}
@@ -96,15 +90,8 @@ class Bench:
             web = {"web_root": self.phorge.root, "web_port": self.phorge.web_port}
         beat = s.kind != "bridge"  # the PHP section's: the README's worker -B
         deployment = {"pool": s.pool, "concurrency": s.concurrency, "beat_in_worker": beat}
-        return Bridge(
-            name,
-            scratch,
-            server=server,
-            broker=self.broker,
-            overrides=overrides,
-            **deployment,
-            **web,
-        )
+        return Bridge(name, scratch, server=server, broker=self.broker, overrides=overrides,
+                      **deployment, **web)  # fmt: skip
 
     def run(self, s: Scenario) -> Result:
         """One scenario; any error becomes the result's ``error``, for the report."""
@@ -112,9 +99,8 @@ class Bench:
         log(f"{s.name}: {s.tasks} tasks ({s.workload.label})")
         try:
             if s.kind == "ceiling-celery":
-                result.ceiling = consumers.plain_celery(
-                    self.broker, self.scratch, s.tasks, s.concurrency
-                )
+                args = (self.broker, self.scratch, s.tasks, s.concurrency)
+                result.ceiling = consumers.plain_celery(*args)
             else:
                 self.measure(s, result)
         except (BenchError, MySQLdb.Error) as exc:
@@ -152,22 +138,15 @@ class Bench:
 
 def facts(conn: MySQLdb.Connection) -> dict[str, str]:
     """What the figures were measured on."""
-    info = dict(
-        line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line
-    )
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    info = dict(line.split(":", 1) for line in lines if ":" in line)
     memory = int(Path("/proc/meminfo").read_text().split()[1]) / 1024**2  # MemTotal, kB
     cur = conn.cursor()
     cur.execute("SELECT VERSION()")
     found = {"CPU": info.get("model name\t", "?").strip(), "cores": str(os.cpu_count()),
              "RAM": f"{memory:.1f} GiB", "kernel": platform.release(),
              "Python": platform.python_version(), "MariaDB": cur.fetchone()[0]}  # fmt: skip
-    try:
-        import amqp
-
-        with amqp.Connection("127.0.0.1:5672", connect_timeout=3) as broker:
-            found["RabbitMQ"] = str(broker.server_properties.get("version"))
-    except Exception as exc:
-        found["RabbitMQ"] = f"unknown ({exc})"
+    found["RabbitMQ"] = rabbit.version() or "unknown (no answer)"
     for name in ("celery", "kombu", "SQLAlchemy", "mysqlclient"):
         try:
             found[name] = version(name)

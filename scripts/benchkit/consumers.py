@@ -1,10 +1,5 @@
-"""The consumers under test, each started, checked, measured for CPU and stopped the same way.
-
-A consumer is process groups in roles, an optional directory of per-task records, and
-the record name of an executed Phorge task. ``start`` returns once it is ready by a
-condition (a ready file); the runner then proves it works with a warm-up batch. Plus the
-plain Celery ceiling, which drains Celery messages rather than Phorge's table.
-"""
+"""The consumers under test, started, checked, measured for CPU and stopped the same way:
+process groups in roles, maybe per-task records; plus the plain Celery ceiling."""
 
 from __future__ import annotations
 
@@ -26,6 +21,7 @@ from benchkit.rabbit import Broker
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 REPO = SCRIPTS.parent
+SITECUSTOMIZE = "from benchkit import records\n\nrecords.install()\n"
 
 
 @dataclass
@@ -52,9 +48,8 @@ class Consumer:
         """Raise if any process has died (with the end of its log)."""
         for p in self.procs():
             if not p.alive():
-                raise procs.BenchError(
-                    f"{self.label}: {p.name} exited with {p.popen.returncode}:\n{p.tail()}"
-                )
+                exited = f"{p.name} exited with {p.popen.returncode}"
+                raise procs.BenchError(f"{self.label}: {exited}:\n{p.tail()}")
 
     def log_tails(self) -> str:
         return "".join(f"\n--- {p.name} ({p.log}):\n{p.tail(1500).strip()}" for p in self.procs())
@@ -72,29 +67,24 @@ class Consumer:
             procs.stop(p, first_signal=self.stop_signal)
 
     def hooked(self, prefix: str, *path: Path) -> tuple[Path, dict[str, str]]:
-        """A new directory with ``records/`` and ``ready/``, and the environment of a
-        measured Python process: ``sitecustomize`` first on PYTHONPATH, no ``BRIDGE_*``."""
+        """A directory with ``records/`` and ``ready/``; a measured Python process's
+        environment (``sitecustomize`` first on PYTHONPATH, no ``BRIDGE_*``)."""
         directory = Path(tempfile.mkdtemp(prefix=prefix, dir=self.scratch))
         self.records = directory / "records"
         for sub in ("records", "ready"):
             (directory / sub).mkdir()
-        (directory / "sitecustomize.py").write_text(
-            "from benchkit import records\n\nrecords.install()\n"
-        )
+        (directory / "sitecustomize.py").write_text(SITECUSTOMIZE)
         env = {k: v for k, v in os.environ.items() if not k.startswith("BRIDGE_")}
         env["PYTHONPATH"] = os.pathsep.join(map(str, (directory, *path, SCRIPTS)))
-        env.update(
-            {records.RECORD_DIR: str(self.records), records.READY_DIR: str(directory / "ready")}
-        )
+        env[records.RECORD_DIR] = str(self.records)
+        env[records.READY_DIR] = str(directory / "ready")
         return directory, env
 
     def wait_ready(self, ready: Path, count: int) -> None:
-        procs.wait_until(
-            lambda: len(list(ready.iterdir())) >= count,
-            timeout=90,
-            what=f"{self.label} to be ready",
-            check=self.check,
-        )
+        def all_ready() -> bool:
+            return len(list(ready.iterdir())) >= count
+
+        procs.wait_until(all_ready, timeout=90, what=f"{self.label} to be ready", check=self.check)
 
 
 def bridge_settings(server: Server, broker: Broker, overrides: dict[str, str]) -> dict[str, str]:
@@ -102,9 +92,8 @@ def bridge_settings(server: Server, broker: Broker, overrides: dict[str, str]) -
     settings = {"BRIDGE_DATABASE_URL": server.url(DATABASE), "BRIDGE_BROKER_URL": broker.url}
     if broker.shared:
         suffix = secrets.token_hex(4)
-        settings.update(
-            BRIDGE_DEFAULT_QUEUE=f"bench-{suffix}", BRIDGE_CONTROL_QUEUE=f"bench-control-{suffix}"
-        )
+        settings["BRIDGE_DEFAULT_QUEUE"] = f"bench-{suffix}"
+        settings["BRIDGE_CONTROL_QUEUE"] = f"bench-control-{suffix}"
     return settings | overrides
 
 
@@ -142,51 +131,35 @@ class Bridge(Consumer):
         consume = ["-B"]
         if not self.beat_in_worker:
             beat = [*celery, *f"beat -l WARNING --schedule {directory}/beat-schedule".split()]
-            self.roles["beat"] = [
-                procs.start("beat", beat, env=env, cwd=REPO, log=directory / "beat.log")
-            ]
-            queues = (
-                settings.get(f"BRIDGE_{q.upper()}_QUEUE", d)
-                for q, d in (("control", "bridge.control"), ("default", "phorge"))
-            )
-            consume = ["-Q", ",".join(queues)]
+            log = directory / "beat.log"
+            self.roles["beat"] = [procs.start("beat", beat, env=env, cwd=REPO, log=log)]
+            control = settings.get("BRIDGE_CONTROL_QUEUE", "bridge.control")
+            consume = ["-Q", f"{control},{settings.get('BRIDGE_DEFAULT_QUEUE', 'phorge')}"]
         node = f"bench-{secrets.token_hex(3)}@%h"
         options = f"-c {self.concurrency} -P {self.pool} -n {node} -l WARNING".split()
-        worker = procs.start(
-            "worker",
-            [*celery, "worker", *consume, *options],
-            env=env,
-            cwd=REPO,
-            log=directory / "worker.log",
-        )
-        self.roles["workers"] = [worker]
+        command, log = [*celery, "worker", *consume, *options], directory / "worker.log"
+        self.roles["workers"] = [procs.start("worker", command, env=env, cwd=REPO, log=log)]
         self.wait_ready(directory / "ready", 1)
 
     def released(self) -> None:
         self.requests_at_release = self.web.accepted() if self.web else 0
 
     def cpu(self) -> dict[str, float]:
-        """``workers`` (the worker's Python), ``beat`` (its own process, or the one ``-B``
-        forks, marked by the hook), ``runner PHP`` (PHP in the worker's family) and
-        ``web-tier PHP``."""
+        """By role, and in the worker's family PHP as ``runner PHP`` and the beat ``-B``
+        forks (marked by the hook) as ``beat``."""
         table = procs.scan()
         assert self.records
         beats = {int(p.stem) for p in self.records.glob(f"*{records.BEAT_SUFFIX}")}
         found = {"workers": 0.0, "beat": 0.0, "runner PHP": 0.0}
-        for leader in self.roles["workers"]:
-            for p in procs.family(table, leader.pid):
-                role = (
-                    "runner PHP"
-                    if p.name.startswith("php")
-                    else "beat"
-                    if p.pid in beats - {leader.pid}
-                    else "workers"
-                )
-                found[role] += p.cpu
-        for role in {"beat", "web-tier PHP"} & set(self.roles):
-            found[role] = found.get(role, 0.0) + sum(
-                procs.family_cpu(p.pid, table) for p in self.roles[role]
-            )
+        for role, group in self.roles.items():
+            for leader in group:
+                for p in procs.family(table, leader.pid):
+                    mine = role
+                    if role == "workers" and p.name.startswith("php"):
+                        mine = "runner PHP"
+                    elif role == "workers" and p.pid in beats - {leader.pid}:
+                        mine = "beat"
+                    found[mine] = found.get(mine, 0.0) + p.cpu
         return found
 
     def stop(self) -> None:
@@ -217,10 +190,8 @@ class ReferenceTaskmaster(Consumer):
             command = f"-m benchkit.taskmaster --port {self.server.port} --user {USER} --password "
             command += f"{PASSWORD} --database {DATABASE} --records {self.records}"
             command += f" --ready {directory}/ready/{n}"
-            log = directory / f"taskmaster-{n}.log"
-            proc = procs.start(
-                f"taskmaster-{n}", [sys.executable, *command.split()], env=env, cwd=REPO, log=log
-            )
+            command, log = [sys.executable, *command.split()], directory / f"taskmaster-{n}.log"
+            proc = procs.start(f"taskmaster-{n}", command, env=env, cwd=REPO, log=log)
             self.roles["workers"].append(proc)
         self.wait_ready(directory / "ready", self.processes)
 
@@ -259,14 +230,8 @@ class SqlLoop(Consumer):
         self.execute_name = bridge_api.SQL_LOOP_RECORD
         directory, env = self.hooked("sqlloop-", REPO)
         env.update(bridge_settings(self.server, self.broker, {"BRIDGE_DISPATCH_AHEAD": "off"}))
-        command = [
-            sys.executable,
-            "-m",
-            "benchkit.records",
-            f"{directory}/ready/loop",
-            str(self.records),
-        ]
-        log = directory / "sqlloop.log"
+        ready, log = f"{directory}/ready/loop", directory / "sqlloop.log"
+        command = [sys.executable, "-m", "benchkit.records", ready, str(self.records)]
         proc = procs.start("sqlloop", command, env=env, cwd=REPO, log=log, stdin=subprocess.PIPE)
         self.roles["workers"] = [proc]
         self.wait_ready(directory / "ready", 1)
@@ -325,14 +290,8 @@ def plain_celery(broker: Broker, scratch: Path, count: int, concurrency: int) ->
     queue = f"ceiling-{directory.name}"
     env.update(BENCH_CEILING_BROKER=broker.url, BENCH_CEILING_QUEUE=queue)
     command = f"-m celery -A ceiling_app worker -c {concurrency} -n {queue}@%h -l WARNING"
-    command += " --without-mingle --without-gossip"
-    worker = procs.start(
-        "celery",
-        [sys.executable, *command.split()],
-        env=env,
-        cwd=directory,
-        log=directory / "worker.log",
-    )
+    command = [sys.executable, *command.split(), "--without-mingle", "--without-gossip"]
+    worker = procs.start("celery", command, env=env, cwd=directory, log=directory / "worker.log")
     consumer.roles["workers"] = [worker]
     app = Celery("sender", broker=broker.url)
     app.conf.update(task_ignore_result=True, task_default_queue=queue)
@@ -345,31 +304,25 @@ def plain_celery(broker: Broker, scratch: Path, count: int, concurrency: int) ->
 
         def done() -> bool:
             assert consumer.records
-            ends[:] = [
-                r.end for r in records.read_records(consumer.records) if r.task_id in numbers
-            ]
+            found = records.read_records(consumer.records)
+            ends[:] = [r.end for r in found if r.task_id in numbers]
             return len(ends) >= len(numbers)
 
-        procs.wait_until(
-            done, timeout=120, what="the plain Celery worker", interval=0.02, check=consumer.check
-        )
+        what = "the plain Celery worker"
+        procs.wait_until(done, timeout=120, what=what, interval=0.02, check=consumer.check)
         return max(ends)
 
     try:
         consumer.wait_ready(directory / "ready", 1)
         send_and_wait(range(4 * concurrency))  # warm-up
-        cpu, broker_cpu, machine = (
-            consumer.cpu()["workers"],
-            rabbit.cpu(),
-            procs.MachineCPU.sample(),
-        )
+        cpu, broker_cpu = consumer.cpu()["workers"], rabbit.cpu()
+        machine = procs.MachineCPU.sample()
         bench, started = time.process_time(), time.time()
         end = send_and_wait(range(1_000_000, 1_000_000 + count))
-        cpu, after = consumer.cpu()["workers"] - cpu, procs.MachineCPU.sample()
-        broker_cpu = rabbit.cpu() - broker_cpu
-        busy = after.busy_share_since(machine)
-        known = (cpu + broker_cpu + time.process_time() - bench) / after.capacity_since(machine)
-        return CeilingResult(count, end - started, cpu, busy, max(0.0, busy - known))
+        cpu, broker_cpu = consumer.cpu()["workers"] - cpu, rabbit.cpu() - broker_cpu
+        known = cpu + broker_cpu + time.process_time() - bench
+        shares = procs.MachineCPU.sample().shares(machine, known)
+        return CeilingResult(count, end - started, cpu, *shares)
     finally:
         consumer.stop()
         with app.connection_for_write() as conn:  # leave the broker as found

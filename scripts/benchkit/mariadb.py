@@ -1,10 +1,6 @@
-"""The bench's own MariaDB: durable, private, on 127.0.0.1, gone afterwards.
-
-Started by the project's launcher (``scripts/mariadb_launcher.py``). Unlike the tests'
-servers it keeps InnoDB's durability defaults (``innodb_flush_log_at_trx_commit=1``,
-doublewrite on): a commit costs an fsync, as in production. Its only clients are the
-measured consumers and the bench, which makes the server-wide status counters theirs.
-"""
+"""The bench's own MariaDB (``scripts/mariadb_launcher.py``), private and gone afterwards:
+durable, unlike the tests' (a commit costs an fsync, as in production), and with no client
+but the consumers and the bench, so the server-wide status counters are theirs."""
 
 from __future__ import annotations
 
@@ -33,9 +29,8 @@ class Server:
 
     def connect(self) -> MySQLdb.Connection:
         """Over TCP, autocommit on, as every consumer connects."""
-        conn = MySQLdb.connect(
-            host="127.0.0.1", port=self.port, user=USER, password=PASSWORD, charset="utf8mb4"
-        )
+        login = {"user": USER, "password": PASSWORD, "charset": "utf8mb4"}
+        conn = MySQLdb.connect(host="127.0.0.1", port=self.port, **login)
         conn.autocommit(True)
         return conn
 
@@ -50,25 +45,17 @@ def private_server(port: int, scratch: Path) -> Iterator[Server]:
     server = MariaDB(
         run, port, durable=True, extra_flags=FLAGS, user=USER, password=PASSWORD, grant_option=True
     )
+    proc = None
     try:
-        try:
-            server.install()
-            proc = procs.start(
-                "mariadbd",
-                server.command(),
-                env=dict(os.environ),
-                cwd=run,
-                log=run / "mariadbd.out",
-            )
-        except LaunchError as exc:
-            raise procs.BenchError(str(exc)) from None
-        try:
-            server.wait_ready(60, alive=proc.alive)
-            server.create_user()
-            yield Server(port, proc)
-        except LaunchError as exc:
-            raise procs.BenchError(str(exc)) from None
-        finally:
-            procs.stop(proc, grace=60)
+        server.install()
+        command, log = server.command(), run / "mariadbd.out"
+        proc = procs.start("mariadbd", command, env=dict(os.environ), cwd=run, log=log)
+        server.wait_ready(60, alive=proc.alive)
+        server.create_user()
+        yield Server(port, proc)
+    except LaunchError as exc:
+        raise procs.BenchError(str(exc)) from None
     finally:
+        if proc:
+            procs.stop(proc, grace=60)
         shutil.rmtree(run, ignore_errors=True)

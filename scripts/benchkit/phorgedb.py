@@ -1,6 +1,5 @@
-"""Phorge's worker tables as the bench drives them, in plain SQL on its own connection
-(autocommit on), kept for the whole run: the server's *session* status of that
-connection is what the bench subtracts from the *global* status to count the consumers'."""
+"""Phorge's worker tables as the bench drives them, in plain SQL on its own autocommit
+connection, whose *session* status it subtracts from the *global* one: the consumers'."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ TASK_CLASS = "PhabricatorTestWorker"
 TABLES = ("worker_activetask", "worker_archivetask", "worker_taskdata", "lisk_counter")
 STATUS = ("Questions", "Com_commit")
 GLOBAL_ONLY = ("Innodb_log_writes",)  # each a durable flush, for a group of commits
+Status = tuple[dict[str, int], dict[str, int]]  # global, session
 # LiskDAO::loadNextCounterValue, with +n for a batch of ids in one statement.
 NEXT_IDS = (
     "INSERT INTO lisk_counter (counterName, counterValue)"
@@ -31,7 +31,7 @@ INSERT_ACTIVE = (
 
 @dataclass(frozen=True)
 class Batch:
-    """Tasks enqueued in one transaction: ids ``first..last``, committed at ``committed``."""
+    """Tasks enqueued in one transaction: ids ``first..last``."""
 
     first: int
     last: int
@@ -48,15 +48,12 @@ class Batch:
 def create_tables(conn: MySQLdb.Connection, ddl: Path) -> None:
     """(Re)create the four queue tables from the reference DDL (phd's copy made them too)."""
     cur = conn.cursor()
-    cur.execute(
-        f"CREATE DATABASE IF NOT EXISTS {DATABASE} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
-    )
+    charset = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+    cur.execute(f"CREATE DATABASE IF NOT EXISTS {DATABASE} {charset}")
     cur.execute(f"USE {DATABASE}")
-    for table in TABLES:
-        cur.execute(f"DROP TABLE IF EXISTS {table}")
-    text = "\n".join(
-        line for line in ddl.read_text().splitlines() if not line.lstrip().startswith("--")
-    )
+    cur.execute(f"DROP TABLE IF EXISTS {', '.join(TABLES)}")
+    lines = ddl.read_text().splitlines()
+    text = "\n".join(line for line in lines if not line.lstrip().startswith("--"))
     for statement in filter(str.strip, text.split(";")):
         cur.execute(statement)
 
@@ -70,9 +67,8 @@ def truncate(conn: MySQLdb.Connection) -> None:
 def enqueue(
     conn: MySQLdb.Connection, count: int, data: str | Sequence[str], task_class: str = TASK_CLASS
 ) -> Batch:
-    """``count`` tasks in ONE transaction, the rows ``PhabricatorWorker::scheduleTask``
-    writes, ids from lisk_counter: every task due at once, the clock starting at COMMIT.
-    ``data``: every task's, or a sequence the tasks take in turn."""
+    """``count`` tasks in ONE transaction, as ``PhabricatorWorker::scheduleTask`` writes
+    them; ``data``: every task's, or a sequence the tasks take in turn."""
     datas = [data] if isinstance(data, str) else list(data)
     now = int(time.time())
     cur = conn.cursor()
@@ -116,37 +112,25 @@ def progress(conn: MySQLdb.Connection, batch: Batch) -> tuple[int, int, int]:
 
 def problems(conn: MySQLdb.Connection, batch: Batch) -> list[str]:
     """Every task archived once (the archive's key forbids more), with result 0."""
-    where = "WHERE id BETWEEN %s AND %s"
-    done, ok = one(
-        conn,
-        f"SELECT COUNT(*), SUM(result = 0) FROM worker_archivetask {where}",
-        (batch.first, batch.last),
-    )
-    (active,) = one(
-        conn, f"SELECT COUNT(*) FROM worker_activetask {where}", (batch.first, batch.last)
-    )
+    where, ids = "WHERE id BETWEEN %s AND %s", (batch.first, batch.last)
+    done, ok = one(conn, f"SELECT COUNT(*), SUM(result = 0) FROM worker_archivetask {where}", ids)
+    (active,) = one(conn, f"SELECT COUNT(*) FROM worker_activetask {where}", ids)
     found = [f"{done} of {batch.size} tasks archived"] if done != batch.size else []
     found += [f"{done - ok} archived with a result other than 0"] if ok != done else []
     return found + ([f"{active} still in the active table"] if active else [])
 
 
-def status(conn: MySQLdb.Connection) -> tuple[dict[str, int], dict[str, int]]:
+def status(conn: MySQLdb.Connection) -> Status:
     """The global status counters, then this connection's session ones."""
     found = []
     for scope, names in (("GLOBAL", STATUS + GLOBAL_ONLY), ("SESSION", STATUS)):
         cur = conn.cursor()
-        cur.execute(
-            f"SHOW {scope} STATUS WHERE Variable_name IN ({', '.join(repr(n) for n in names)})"
-        )
+        cur.execute(f"SHOW {scope} STATUS WHERE Variable_name IN ({', '.join(map(repr, names))})")
         found.append({name: int(value) for name, value in cur.fetchall()})
     return found[0], found[1]
 
 
-def others_since(
-    before: tuple[dict[str, int], dict[str, int]],
-    after: tuple[dict[str, int], dict[str, int]],
-    offset: dict[str, int],
-) -> dict[str, int]:
+def others_since(before: Status, after: Status, offset: dict[str, int]) -> dict[str, int]:
     """What clients other than the bench's connection did between two ``status`` reads,
     less ``offset`` (what the reads themselves leave: ``others_since`` of two at once)."""
     (g0, s0), (g1, s1) = before, after

@@ -1,11 +1,6 @@
-"""Which scenarios a run measures, named so that ``--only`` picks them with globs.
-
-``ceiling-celery``, ``ceiling-sql``, ``taskmaster-<workload>-p<N>``, ``phd-<workload>-p<N>``
-and ``bridge-<default|tuned>-<workload>-<c|t><N>`` (``c``: prefork processes,
-``t``: threads); workloads ``noop``, ``10ms``, ``io50``. With a Phorge checkout,
-phd and the PHP section: ``php-phd-<w>-p<N>``, ``php-runner-<w>``, ``php-conduit-<w>`` on
-PHP-only classes (``noop``, ``search``), the bridge as ``worker -B`` on RabbitMQ.
-"""
+"""Which scenarios a run measures, named for ``--only``'s globs: ``ceiling-*``,
+``taskmaster|phd-<workload>-p<N>``, ``bridge-<default|tuned>-<workload>-<c|t><N>`` (prefork
+or threads); with a Phorge checkout, ``php-phd-<w>-p<N>``, ``php-runner|conduit-<w>``."""
 
 from __future__ import annotations
 
@@ -45,7 +40,7 @@ class Scenario:
 
 def build(quick: bool, with_phd: bool, only: list[str]) -> list[Scenario]:
     """Every scenario in running order, filtered by ``only``; phd and the PHP section only
-    ``with_phd``. ``quick``: fewer tasks and deployments."""
+    ``with_phd``."""
 
     def n(full: int, small: int) -> int:
         return small if quick else full
@@ -57,11 +52,8 @@ def build(quick: bool, with_phd: bool, only: list[str]) -> list[Scenario]:
     ]
     for kind in ("taskmaster", "phd") if with_phd else ("taskmaster",):
         for p in (1,) if quick else (1, 2):
-            found.append(
-                Scenario(
-                    f"{kind}-noop-p{p}", kind, NOOP, noop, light if p == 1 else 0, concurrency=p
-                )
-            )
+            sampled = light if p == 1 else 0
+            found.append(Scenario(f"{kind}-noop-p{p}", kind, NOOP, noop, sampled, concurrency=p))
         found.append(Scenario(f"{kind}-10ms-p1", kind, SLEEP10, sleep10, concurrency=1))
     found.append(Scenario("taskmaster-io50-p1", "taskmaster", IO50, n(100, 40)))
     first, tuned = (2, 2) if quick else (1, 4)
@@ -82,9 +74,6 @@ def build(quick: bool, with_phd: bool, only: list[str]) -> list[Scenario]:
                 for p in (1, 2)
             ]
             found.append(Scenario(f"php-runner-{w.key}", "php-runner", w, tasks, concurrency=CORES))
-            found.append(
-                Scenario(
-                    f"php-conduit-{w.key}", "php-conduit", w, tasks, pool="threads", concurrency=8
-                )
-            )
+            name = f"php-conduit-{w.key}"
+            found.append(Scenario(name, "php-conduit", w, tasks, pool="threads", concurrency=8))
     return [s for s in found if not only or any(fnmatch.fnmatch(s.name, p) for p in only)]

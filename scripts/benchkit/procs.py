@@ -1,9 +1,8 @@
 """Processes the bench starts, and the CPU they and the machine use (from /proc).
 
-Every process starts in a session of its own, so it and its descendants share one
-process group. A descendant may leave the session (phd's daemon calls ``posix_setsid``),
-so a process's *family* is its session plus every descendant by parent pid: CPU is summed
-over the family, and stopping kills the group, then the rest of the family.
+Each starts a session of its own; as a descendant may leave it (phd calls ``posix_setsid``),
+a *family* is the session plus every descendant by parent pid: CPU is summed over it, and
+stopping kills the group, then the rest of the family.
 """
 
 from __future__ import annotations
@@ -76,14 +75,10 @@ def scan() -> dict[int, ProcStat]:
             text = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        name, stat = (
-            text[text.index("(") + 1 : text.rindex(")")],
-            text[text.rindex(")") + 2 :].split(),
-        )
+        close, pid = text.rindex(")"), int(entry)
+        name, stat = text[text.index("(") + 1 : close], text[close + 2 :].split()
         cpu = sum(int(v) for v in stat[11:15]) / TICKS
-        found[int(entry)] = ProcStat(
-            int(entry), int(stat[1]), int(stat[3]), name, cpu, stat[0] == "Z"
-        )
+        found[pid] = ProcStat(pid, int(stat[1]), int(stat[3]), name, cpu, stat[0] == "Z")
     return found
 
 
@@ -122,21 +117,15 @@ def stop(proc: Proc, *, grace: float = 10.0, first_signal: int = signal.SIGTERM)
         proc.popen.wait(timeout=10)
 
     def gone() -> bool:
-        table = scan()
-        left = [p for p in table.values() if p.session == proc.pid or p.pid in strays]
-        return all(p.zombie for p in left)
+        return all(p.zombie for p in scan().values() if p.session == proc.pid or p.pid in strays)
 
     wait_until(gone, timeout=10, what=f"{proc.name} to exit")
 
 
 def wait_until(
-    condition: Callable[[], bool],
-    *,
-    timeout: float,
-    what: str,
-    interval: float = 0.05,
+    condition: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.05,
     check: Callable[[], None] | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Poll ``condition`` until true; ``check`` may raise early (a process died)."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -163,12 +152,15 @@ class MachineCPU:
     def busy_seconds_since(self, before: MachineCPU) -> float:
         return (self.busy - before.busy) / TICKS
 
-    def capacity_since(self, before: MachineCPU) -> float:
-        return (self.total - before.total) / TICKS
-
     def busy_share_since(self, before: MachineCPU) -> float:
         total = self.total - before.total
         return (self.busy - before.busy) / total if total else 0.0
+
+    def shares(self, before: MachineCPU, known: float) -> tuple[float, float]:
+        """The share of all cores busy since ``before``, and of it the share that ``known``
+        CPU seconds (the measured processes') leave unexplained."""
+        busy, capacity = self.busy_share_since(before), (self.total - before.total) / TICKS
+        return busy, max(0.0, busy - known / capacity) if capacity else 0.0
 
 
 def busy_share(window: float) -> float:

@@ -1,7 +1,6 @@
-"""The broker: the RabbitMQ of ``scripts/services.sh`` on 127.0.0.1:5672 (started if it
-does not answer, and then stopped), with a virtual host of its own per bench run, so the
-bridge keeps its queue names yet meets no other user's workers. If ``rabbitmqctl``
-cannot reach the node, the default vhost, and queue names of the bench's own."""
+"""The RabbitMQ of ``scripts/services.sh`` (started if it does not answer), with a vhost of
+its own per run, so the bridge keeps its queue names yet meets no other user's workers;
+if ``rabbitmqctl`` cannot reach the node, the default vhost and queue names of our own."""
 
 from __future__ import annotations
 
@@ -27,19 +26,20 @@ class Broker:
     shared: bool  # a vhost others use too: the bridge gets queue names of its own
 
 
-def answers() -> bool:
+def version() -> str | None:
+    """The broker's version; None if it does not answer on 127.0.0.1:5672."""
     try:
         import amqp
 
-        with amqp.Connection("127.0.0.1:5672", connect_timeout=3):
-            return True
+        with amqp.Connection("127.0.0.1:5672", connect_timeout=3) as conn:
+            return str(conn.server_properties.get("version"))
     except Exception:
-        return False
+        return None
 
 
 def run(*command: str) -> bool:
-    """``rabbitmqctl`` with what ``scripts/services.sh`` exports for it, or ``bash
-    scripts/services.sh``; whether it succeeded."""
+    """Whether ``command`` (``rabbitmqctl`` or ``services.sh``) succeeded, with what
+    ``scripts/services.sh`` exports for it."""
     env = dict(os.environ, RABBITMQ_NODENAME="rabbit@localhost", RABBITMQ_NODE_PORT="5672",
                RABBITMQ_NODE_IP_ADDRESS="127.0.0.1", ERL_EPMD_ADDRESS="127.0.0.1",
                RABBITMQ_MNESIA_BASE=str(SERVICES / "mnesia"),
@@ -54,25 +54,22 @@ def run(*command: str) -> bool:
 
 @contextmanager
 def broker(repo: Path, log: Callable[[str], None]) -> Iterator[Broker]:
-    started = not answers()
+    started = version() is None
     services = ("bash", str(repo / "scripts" / "services.sh"))
     if started:
         log("RabbitMQ does not answer on 127.0.0.1:5672: bash scripts/services.sh start")
         if not run(*services, "start"):
             raise BenchError("bash scripts/services.sh start failed")
     vhost: str | None = f"bridge-bench-{secrets.token_hex(4)}"
-    ctl = ("rabbitmqctl",)
-    if not (
-        run(*ctl, "add_vhost", vhost)
-        and run(*ctl, "set_permissions", "-p", vhost, "guest", *[".*"] * 3)
-    ):
+    permit = ("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    if not (run("rabbitmqctl", "add_vhost", vhost) and run("rabbitmqctl", *permit)):
         log("rabbitmqctl cannot reach the node: the default vhost, queues of our own")
         vhost = None
     try:
         yield Broker(f"amqp://guest:guest@127.0.0.1:5672/{vhost or '/'}", vhost is None)
     finally:
         if vhost:
-            run(*ctl, "delete_vhost", vhost)
+            run("rabbitmqctl", "delete_vhost", vhost)
         if started:
             run(*services, "stop")
 

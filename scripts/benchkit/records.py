@@ -1,21 +1,11 @@
 """What the measured processes record about themselves, and the bench's reading of it.
 
-A ``sitecustomize.py`` the bench puts first on the measured processes' PYTHONPATH calls
-:func:`install`, so the bridge runs unmodified. In each such process it:
-
-- counts database requests where they leave the process, in MySQLdb (which has no hook
-  of its own, and SQLAlchemy's events miss the raw DBAPI round trips the bridge makes):
-  each cursor ``execute`` or ``query`` is one round trip of one or more ``;``-separated
-  statements, ``commit``, ``rollback``, ``ping`` and ``autocommit`` one round trip each;
-- appends a line per finished Celery task (``task_prerun``/``task_postrun``) and, in a
-  bridge worker (``BENCH_BRIDGE_RUNS``), per Phorge task run (through the engine's
-  observer, ``bridge_api.observe_runs``) to ``<BENCH_RECORD_DIR>/<pid>.rec``: the name,
-  the task id, start and end (``time.time()``), thread CPU and the cumulative counters;
-- writes ``<BENCH_READY_DIR>/<pid>`` once the Celery worker is ready, and
-  ``<record dir>/<pid>.beat`` in the beat process ``worker -B`` forks.
-
-One ``os.write`` a line on an ``O_APPEND`` file: processes and threads never interleave
-half lines, and nothing is lost when a process is killed.
+:func:`install`, called by the ``sitecustomize.py`` the bench puts first on their path
+(the bridge runs unmodified), counts database requests in MySQLdb (SQLAlchemy's events miss
+the bridge's raw DBAPI round trips) and appends a line per Celery task and per Phorge task
+run to ``<BENCH_RECORD_DIR>/<pid>.rec``; it marks readiness in ``BENCH_READY_DIR`` and
+``worker -B``'s beat as ``<pid>.beat``. One ``os.write`` a line on an ``O_APPEND`` file:
+no half lines between processes or threads, none lost when a process is killed.
 """
 
 from __future__ import annotations
@@ -39,8 +29,7 @@ _CONTROL = {b"START", b"BEGIN", b"ROLLBACK"}  # transaction control: no statemen
 
 
 class Counters(NamedTuple):
-    """Client-side database requests: statements (transaction control aside), commits
-    (COMMIT statements and ``commit()`` calls) and round trips."""
+    """Client-side requests: statements (no transaction control), commits, round trips."""
 
     statements: int = 0
     commits: int = 0
@@ -63,9 +52,8 @@ class CounterBox:
 
     def bump(self, statements: int, commits: int, round_trips: int = 1) -> None:
         with self.lock:
-            self.values[0] += statements
-            self.values[1] += commits
-            self.values[2] += round_trips
+            for i, n in enumerate((statements, commits, round_trips)):
+                self.values[i] += n
 
     def snapshot(self) -> Counters:
         with self.lock:
@@ -90,10 +78,6 @@ def split(query: bytes | str) -> tuple[int, int]:
     return found
 
 
-def count_query(query: bytes | str) -> None:
-    COUNTERS.bump(*split(query))
-
-
 class RecordWriter:
     """Appends to ``<dir>/<pid>.rec``; a forked child opens its own file."""
 
@@ -115,6 +99,22 @@ class RecordWriter:
                     self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         fields = [name, "-" if task_id is None else str(task_id), *(f"{t:.6f}" for t in times)]
         os.write(self.fd, (" ".join(fields + [str(c) for c in counters]) + "\n").encode())
+
+
+class Spans:
+    """Open spans by key (a dict's set and pop are atomic); ``end`` writes the record."""
+
+    def __init__(self, writer: RecordWriter) -> None:
+        self.writer = writer
+        self.open: dict[Any, tuple[float, float]] = {}
+
+    def start(self, key: Any) -> None:
+        self.open[key] = (time.time(), time.thread_time())
+
+    def end(self, key: Any, name: str, task_id: int | None) -> None:
+        end, cpu = time.time(), time.thread_time()
+        start, cpu0 = self.open.pop(key, (end, cpu))
+        self.writer.write(name, task_id, start, end, cpu - cpu0, counters=COUNTERS.snapshot())
 
 
 @dataclass(frozen=True)
@@ -168,56 +168,34 @@ def install() -> None:
         return
     count_requests()
     writer = RecordWriter(record_dir)
-    from celery.signals import (
-        beat_embedded_init,
-        task_postrun,
-        task_prerun,
-        worker_init,
-        worker_ready,
-    )
+    from celery import signals
 
-    started: dict[str, tuple[float, float]] = {}  # a dict's set and pop are atomic
-
-    def prerun(task_id: str, **_: Any) -> None:
-        started[task_id] = (time.time(), time.thread_time())
+    spans = Spans(writer)
 
     def postrun(task_id: str, task: Any, args: Any = None, **_: Any) -> None:
-        end, cpu = time.time(), time.thread_time()
-        start, cpu0 = started.pop(task_id, (end, cpu))
         first = args[0] if args else None
-        phorge_id = first if type(first) is int else None
-        writer.write(task.name, phorge_id, start, end, cpu - cpu0, counters=COUNTERS.snapshot())
+        spans.end(task_id, task.name, first if type(first) is int else None)
 
     def mark(directory: str | None, suffix: str = "") -> None:
         if directory:
             open(os.path.join(directory, f"{os.getpid()}{suffix}"), "w").close()
 
-    task_prerun.connect(prerun, weak=False)
-    task_postrun.connect(postrun, weak=False)
-    worker_ready.connect(lambda **_: mark(os.environ.get(READY_DIR)), weak=False)
-    beat_embedded_init.connect(lambda **_: mark(record_dir, BEAT_SUFFIX), weak=False)
-    if os.environ.get(BRIDGE_RUNS):
-        from benchkit import bridge_api
+    signals.task_prerun.connect(lambda task_id, **_: spans.start(task_id), weak=False)
+    signals.task_postrun.connect(postrun, weak=False)
+    signals.worker_ready.connect(lambda **_: mark(os.environ.get(READY_DIR)), weak=False)
+    signals.beat_embedded_init.connect(lambda **_: mark(record_dir, BEAT_SUFFIX), weak=False)
+    if os.environ.get(BRIDGE_RUNS):  # in the worker's main process, before the pool forks
+        from benchkit.bridge_api import RUN_RECORD
 
-        # In the worker's main process, before the pool forks.
-        worker_init.connect(lambda **_: record_runs(writer, bridge_api.RUN_RECORD), weak=False)
+        signals.worker_init.connect(lambda **_: record_runs(writer, RUN_RECORD), weak=False)
 
 
 def record_runs(writer: RecordWriter, name: str) -> None:
     """A record ``name`` for each Phorge task run in this process (a message may carry several)."""
     from benchkit import bridge_api
 
-    runs: dict[int, tuple[float, float]] = {}
-
-    def started(task_id: int) -> None:
-        runs[task_id] = (time.time(), time.thread_time())
-
-    def ended(task_id: int) -> None:
-        end, cpu = time.time(), time.thread_time()
-        start, cpu0 = runs.pop(task_id, (end, cpu))
-        writer.write(name, task_id, start, end, cpu - cpu0, counters=COUNTERS.snapshot())
-
-    bridge_api.observe_runs(started, ended)
+    spans = Spans(writer)
+    bridge_api.observe_runs(spans.start, lambda task: spans.end(task, name, task))
 
 
 def count_requests() -> None:
@@ -230,11 +208,11 @@ def count_requests() -> None:
 
     def counted_query(self: Any, sql: Any) -> Any:
         if not getattr(inside, "on", False):
-            count_query(sql)
+            COUNTERS.bump(*split(sql))
         return query(self, sql)
 
     def counted_execute(self: Any, sql: Any, args: Any = None) -> Any:
-        count_query(sql)  # the template (str), or executemany's finished bulk insert
+        COUNTERS.bump(*split(sql))  # the template (str), or executemany's finished bulk insert
         inside.on = True
         try:
             return execute(self, sql, args)

@@ -14,18 +14,16 @@ from benchkit.runner import IO50, NOOP, SLEEP10, Latency, Percentiles, Throughpu
 HOW_TO_READ = """\
 Every consumer drains the same Phorge queue on the same private, *durable* MariaDB (an
 fsync a commit) and, for Celery, the same RabbitMQ. A run enqueues all its tasks in ONE
-transaction; the clock runs from that COMMIT to the last archive (the consumer's own
-record of it; for phd, when the bench saw it). *tasks/s* includes the wait before the
-first start (poll interval or idle sleep). The *reference taskmaster* is Phorge's PHP
-taskmaster loop redone statement for statement in Python (`scripts/benchkit/taskmaster.py`).
-Ratios compare with it and phd (same workload, one process) and with the lower of two
-ceilings (plain Celery; the bridge's own SQL in a loop without Celery). *Latency*: enqueue
-COMMIT to start and to archive, at light load (one task at a time, at a random moment of
-the consumer's cycle) and saturated (the throughput run). *Cost*, per archived task:
-what the consumer's processes sent (counted in the MySQL driver), MariaDB's own counters
-(the bench's polling left out; *log writes*: `Innodb_log_writes`, each a durable flush),
-CPU ms by process. *machine busy (others)*: the share of all cores in use, and of it the
-share no measured process explains (if large, the figures are disturbed)."""
+transaction; the clock runs from that COMMIT to the last archive (for phd, when the bench
+saw it); *tasks/s* includes the wait before the first start. The *reference taskmaster* is
+Phorge's taskmaster loop redone statement for statement in Python
+(`scripts/benchkit/taskmaster.py`). Ratios compare with it and phd (same workload, one
+process) and with the lower ceiling (plain Celery; the bridge's SQL in a loop). *Latency*:
+enqueue COMMIT to start and to archive, at light load (one task at a time, at a random
+moment) and saturated. *Cost* a task: what the consumer's processes sent (counted in the
+MySQL driver), MariaDB's own counters (*log writes*: `Innodb_log_writes`, each a durable
+flush), CPU ms by process. *machine busy (others)*: the share of all cores in use, and of
+it the share no measured process explains (if large, the figures are disturbed)."""
 
 
 @dataclass
@@ -65,16 +63,19 @@ def pcts(p: Percentiles | None) -> str:
     return "-" if p is None else f"{ms(p.p50, 1)} / {ms(p.p95, 1)} / {ms(p.p99, 1)}"
 
 
-def busy(t: Throughput | CeilingResult) -> str:
+Run = Throughput | CeilingResult
+
+
+def busy(t: Run) -> str:
     return f"{t.machine_busy:.0%} ({t.others_busy:.0%})"
 
 
-def per(t: Throughput, value: float | None, digits: int = 2) -> str:
-    return number(t.per_task(value), digits)
+def per(t: Throughput, values: Iterable[float | None], digits: int = 2) -> str:
+    return " / ".join(number(t.per_task(v), digits) for v in values)
 
 
-def first_start(t: Throughput) -> str:
-    return f"{number(t.first_start, 2)} / {number(t.steady_rate)}"
+def cpu(t: Throughput, role: str) -> str:
+    return ms(t.per_task(t.cpu.get(role)))
 
 
 def vs_phd(t: Throughput, best: Throughput | None) -> str:
@@ -86,19 +87,21 @@ def vs_phd(t: Throughput, best: Throughput | None) -> str:
 
 def queries(t: Throughput) -> str:
     """MariaDB's queries / commits / log writes a task."""
-    return " / ".join(
-        per(t, t.server.get(n)) for n in ("Questions", "Com_commit", "Innodb_log_writes")
-    )
+    return per(t, map(t.server.get, ("Questions", "Com_commit", "Innodb_log_writes")))
 
 
 def counts(t: Throughput) -> str:
     """What the consumer's processes sent a task."""
-    return " / ".join(
-        per(t, getattr(t.client, n, None)) for n in ("statements", "commits", "round_trips")
-    )
+    return per(t, (getattr(t.client, n, None) for n in ("statements", "commits", "round_trips")))
 
 
 Cell = Callable[[Result, Throughput], str]
+
+
+def vs(base: float | None) -> Cell:
+    return lambda r, t: ratio(r.rate, base)
+
+
 THROUGHPUT: list[tuple[str, Cell]] = [
     ("tasks", lambda r, t: f"{t.tasks:,}"),
     ("tasks/s", lambda r, t: f"**{number(r.rate)}**" if r.rate else "failed"),
@@ -114,22 +117,24 @@ LATENCY: list[tuple[str, Cell]] = [
 COST: list[tuple[str, Cell]] = [
     ("statements / commits / round trips", lambda r, t: counts(t)),
     ("MariaDB queries / commits / log writes", lambda r, t: queries(t)),
-    *((f"{role} CPU", lambda r, t, key=key: ms(t.per_task(t.cpu.get(key))))
-      for role, key in (("worker", "workers"), ("beat", "beat"))),
+    ("worker CPU", lambda r, t: cpu(t, "workers")),
+    ("beat CPU", lambda r, t: cpu(t, "beat")),
     ("(poll)", lambda r, t: ms(t.per_task(t.poll_cpu))),
     ("MariaDB CPU", lambda r, t: ms(t.per_task(t.db_cpu))),
     ("RabbitMQ CPU", lambda r, t: ms(t.per_task(t.broker_cpu))),
 ]  # fmt: skip
 # The PHP section, a column a consumer; ``best``: the faster phd run of the same work.
+PHP_COLUMNS = (("phd x1", "php-phd-{}-p1"), ("phd x2", "php-phd-{}-p2"),
+               ("runner", "php-runner-{}"), ("Conduit", "php-conduit-{}"))  # fmt: skip
 ROLES = (("phd PHP / bridge Python", "workers"), ("beat", "beat"), ("runner PHP", "runner PHP"),
          ("web-tier PHP", "web-tier PHP"))  # fmt: skip
 PHP_ROWS: list[tuple[str, Callable[[Throughput, Throughput | None], str]]] = [
     ("tasks/s", lambda t, best: f"**{number(t.rate)}**"),
-    ("first start, s / tasks/s from it", lambda t, best: first_start(t)),
-    ("web requests a task", lambda t, best: per(t, t.web_requests, 3)),
+    ("first start, s / tasks/s from it",
+     lambda t, best: f"{number(t.first_start, 2)} / {number(t.steady_rate)}"),
+    ("web requests a task", lambda t, best: per(t, [t.web_requests], 3)),
     ("MariaDB queries / commits / log writes a task", lambda t, best: queries(t)),
-    *((f"CPU ms/task, {role}", lambda t, best, key=key: ms(t.per_task(t.cpu.get(key))))
-      for role, key in ROLES),
+    *((f"CPU ms/task, {role}", lambda t, best, key=key: cpu(t, key)) for role, key in ROLES),
     ("CPU ms/task, MariaDB / **machine total**", lambda t, best: f"{ms(t.per_task(t.db_cpu))} / "
      f"{ms(t.per_task(t.machine_cpu))}"),
     ("machine busy (others)", lambda t, best: busy(t)),
@@ -151,9 +156,8 @@ class Report:
         facts = table(list(self.facts), [list(self.facts.values())])
         parts = ["# phorge-bridge benchmark", HOW_TO_READ, "## Machine and set-up", facts]
         parts.append("\n".join(f"- {note}" for note in self.notes))
-        lower = min(
-            filter(None, (self.rate("ceiling-celery"), self.rate("ceiling-sql"))), default=None
-        )
+        ceilings = (self.rate("ceiling-celery"), self.rate("ceiling-sql"))
+        lower = min(filter(None, ceilings), default=None)
         sections = (("Throughput", THROUGHPUT), ("Latency (ms: p50 / p95 / p99)", LATENCY),
                     ("Cost per archived task (CPU in ms)", COST))  # fmt: skip
         kinds = ("ceiling-sql", "taskmaster", "phd", "bridge")
@@ -162,14 +166,12 @@ class Report:
             for w in (NOOP, SLEEP10, IO50):
                 columns = list(base_columns)
                 if base_columns is THROUGHPUT:  # ratios to the references of this workload
-                    bases = [(k, self.rate(f"{k}-{w.key}-p1")) for k in ("taskmaster", "phd")]
-                    columns += [
-                        (f"vs {k} x1", lambda r, t, b=b: ratio(r.rate, b)) for k, b in bases
-                    ]
-                    columns.append(("vs lower ceiling", lambda r, t: ratio(r.rate, lower)))
-                found = [r for r in self.results if r.scenario.workload == w and r.throughput]
+                    for k in ("taskmaster", "phd"):
+                        columns.append((f"vs {k} x1", vs(self.rate(f"{k}-{w.key}-p1"))))
+                    columns.append(("vs lower ceiling", vs(lower)))
+                runs = [r for r in self.results if r.scenario.workload == w and r.throughput]
                 rows = [[r.scenario.label, *(cell(r, r.throughput) for _, cell in columns)]
-                        for r in found if r.scenario.kind in kinds]  # fmt: skip
+                        for r in runs if r.scenario.kind in kinds]  # fmt: skip
                 if rows:
                     heading = f"### {w.label} (`{w.data_json}`)"
                     parts += [heading, table(["consumer", *(h for h, _ in columns)], rows)]
@@ -177,50 +179,23 @@ class Report:
         return "\n\n".join(p for p in parts if p) + "\n"
 
     def ceilings(self) -> str | None:
+        def row(label: str, t: Run, rate: float | None, cpu: str) -> list[str]:
+            return [label, f"{t.tasks:,}", f"**{number(rate)}**", cpu, busy(t)]
+
         rows = []
         if (celery := self.by_name.get("ceiling-celery")) and (c := celery.ceiling):
             label = f"plain Celery, -c {celery.scenario.concurrency}, acks late, prefetch 1"
-            rows.append(
-                [
-                    label,
-                    f"{c.tasks:,}",
-                    f"**{number(c.rate)}**",
-                    ms(c.worker_cpu / c.tasks),
-                    busy(c),
-                ]
-            )
+            rows.append(row(label, c, c.rate, ms(c.worker_cpu / c.tasks)))
         if (sql := self.by_name.get("ceiling-sql")) and (t := sql.throughput):
             label = "the bridge's SQL in a loop, no Celery"
-            rows.append(
-                [
-                    label,
-                    f"{t.tasks:,}",
-                    f"**{number(sql.rate)}**",
-                    ms(t.per_task(t.cpu["workers"])),
-                    busy(t),
-                ]
-            )
-        headers = [
-            "ceiling",
-            "tasks",
-            "tasks/s",
-            "CPU ms/task (its processes)",
-            "machine busy (others)",
-        ]
+            rows.append(row(label, t, sql.rate, cpu(t, "workers")))
+        headers = ["ceiling", "tasks", "tasks/s", "CPU ms/task (its processes)"]
+        headers.append("machine busy (others)")
         return "## Ceilings\n\n" + table(headers, rows) if rows else None
 
     def php(self) -> str | None:
-        names = [
-            ("phd x1", "php-phd-{}-p1"),
-            ("phd x2", "php-phd-{}-p2"),
-            ("runner", "php-runner-{}"),
-            ("Conduit", "php-conduit-{}"),
-        ]
-        columns = [
-            (h, p)
-            for h, p in names
-            if any(p.format(w.key) in self.by_name for w in (PHP_NOOP, PHP_SEARCH))
-        ]
+        keys = [w.key for w in (PHP_NOOP, PHP_SEARCH)]
+        columns = [(h, p) for h, p in PHP_COLUMNS if any(p.format(k) in self.by_name for k in keys)]
         rows = []
         for w in (PHP_NOOP, PHP_SEARCH):
             runs = [self.by_name.get(p.format(w.key)) for _, p in columns]
@@ -235,11 +210,8 @@ class Report:
             ]
         if not rows:
             return None
-        opcache = [
-            f"`{r.scenario.name}` {o['hits'] / max(1, o['hits'] + o.get('misses', 0)):.1%}"
-            for r in self.results
-            if (o := r.opcache) and "hits" in o
-        ]
+        opcache = [f"`{r.scenario.name}` {o['hits'] / max(1, o['hits'] + o.get('misses', 0)):.1%}"
+                   for r in self.results if (o := r.opcache) and "hits" in o]  # fmt: skip
         note = (
             "PHP-only classes: `PhorgeBridgeBenchNoopWorker` (the bench's no-op) and "
             "`PhabricatorSearchWorker` re-indexing users. *runner*: `celery -A bridge worker -B` "
@@ -247,9 +219,8 @@ class Report:
             "threads -c 8` with `BRIDGE_CONDUIT_URL` and a bot's token, to "
             "`PHP_CLI_SERVER_WORKERS=4 php -d opcache.enable=1 -d opcache.enable_cli=1 -S` "
             f"(opcache hits at the end: {', '.join(opcache) or 'n/a'}). Each run is warmed up "
-            "with 32 tasks. "
-            "CPU by process role over whole process trees; *machine total*: every busy CPU second "
-            "of the machine."
+            "with 32 tasks. CPU by process role over whole process trees; *machine total*: "
+            "every busy CPU second of the machine."
         )
         headers = ["work", *(h for h, _ in columns)]
         return f"## PHP-only classes (issue 19)\n\n{note}\n\n{table(headers, rows)}"
@@ -257,15 +228,9 @@ class Report:
     def failures(self) -> str:
         items = []
         for r in self.results:
-            problems = (r.throughput.problems if r.throughput else []) + (
-                [r.error] if r.error else []
-            )
-            for problem in problems:
-                first, _, rest = problem.partition("\n")
-                items.append(
-                    f"- `{r.scenario.name}`: {first}"
-                    + (f"\n\n```\n{rest.strip()}\n```" if rest.strip() else "")
-                )
-        return "## Failures\n\n" + (
-            "\n".join(items) or "None: every task of every run was archived once, result 0."
-        )
+            problems = [*(r.throughput.problems if r.throughput else []), *filter(None, [r.error])]
+            for first, _, rest in (problem.partition("\n") for problem in problems):
+                trace = f"\n\n```\n{rest.strip()}\n```" if rest.strip() else ""
+                items.append(f"- `{r.scenario.name}`: {first}{trace}")
+        none = "None: every task of every run was archived once, result 0."
+        return "## Failures\n\n" + ("\n".join(items) or none)

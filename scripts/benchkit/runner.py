@@ -1,11 +1,6 @@
-"""One measured run, the same for every consumer, so that their figures compare.
-
-The clock starts when the enqueue transaction's COMMIT returns and stops at the last
-archive: the consumer's own record of it when it writes records, else the moment the
-bench saw the archive complete (phd; polled every 10 ms). The bench's own requests are
-subtracted from the server's global counters; CPU is sampled from /proc before the
-enqueue and after the end, before any shutdown.
-"""
+"""One measured run, the same for every consumer, so that their figures compare: from the
+enqueue COMMIT to the last archive (the consumer's record of it, else when the bench saw
+it: phd, polled every 10 ms); the bench's own requests left out; CPU before and after."""
 
 from __future__ import annotations
 
@@ -79,7 +74,6 @@ class Throughput:
     poll_cpu: float | None  # of which the bridge's polls, when they run in its workers
     db_cpu: float
     broker_cpu: float
-    bench_cpu: float
     machine_cpu: float  # CPU seconds the machine was busy, whoever used them
     machine_busy: float  # 0..1 of all cores
     others_busy: float  # 0..1 of all cores, not explained by any measured process
@@ -153,8 +147,8 @@ class Runner:
             self.ran(consumer, batch)
 
     def light(self, consumer: Consumer, workload: Workload, samples: int) -> Latency:
-        """One task at a time, each after a random pause of up to one poll interval or idle
-        sleep: independent arrivals, not always at the start of a taskmaster's sleep."""
+        """One task at a time, each after a random pause of up to one cycle: independent
+        arrivals, not always at the start of a taskmaster's sleep."""
         to_start, to_archive = [], []
         pauses = random.Random(samples)
         for _ in range(samples):
@@ -184,21 +178,14 @@ class Runner:
         after = self.sample(consumer)
         end, first = max([r.end for r in runs] or [end]), min([r.start for r in runs] or [first])
         cpu = {role: after.cpu[role] - before.cpu.get(role, 0.0) for role in after.cpu}
-        db, broker, bench = (
-            after.db - before.db,
-            after.broker - before.broker,
-            after.bench - before.bench,
-        )
-        busy = after.machine.busy_share_since(before.machine)
-        known = (sum(cpu.values()) + db + broker + bench) / after.machine.capacity_since(
-            before.machine
-        )
+        db, broker = after.db - before.db, after.broker - before.broker
+        known = sum(cpu.values()) + db + broker + after.bench - before.bench
+        shares = after.machine.shares(before.machine, known)
         polls = [r.cpu for r in records if r.name == consumer.poll_name and since < r.end <= end]
         twice = sorted(i for i, n in Counter(r.task_id for r in runs).items() if n > 1)
         problems = phorgedb.problems(self.conn, batch)
-        problems += (
-            [f"{len(twice)} task(s) executed more than once, e.g. {twice[:5]}"] if twice else []
-        )
+        if twice:
+            problems.append(f"{len(twice)} task(s) executed more than once, e.g. {twice[:5]}")
         t0 = batch.committed
         latency = Latency(
             Percentiles.of([r.start - t0 for r in runs]), Percentiles.of([r.end - t0 for r in runs])
@@ -207,7 +194,6 @@ class Runner:
             count, end - t0, first - t0, latency,
             counters_between(records, since, end) if records else None,
             phorgedb.others_since(before.status, after.status, self.offset), cpu,
-            sum(polls) if consumer.poll_name else None, db, broker, bench,
-            after.machine.busy_seconds_since(before.machine), busy, max(0.0, busy - known),
-            problems,
+            sum(polls) if consumer.poll_name else None, db, broker,
+            after.machine.busy_seconds_since(before.machine), *shares, problems,
         )  # fmt: skip

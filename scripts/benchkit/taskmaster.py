@@ -1,32 +1,15 @@
-"""A reference taskmaster: Phorge's PHP taskmaster loop, statement for statement, in Python.
+"""A reference taskmaster: Phorge's PHP taskmaster loop (07c1a51310), statement for
+statement, in Python, so every ratio has a baseline on the same database without PHP.
 
     python3 -m benchkit.taskmaster --port 3309 --user U --password P --database D \
         --records DIR --ready FILE
 
-A baseline on the same machine and database without PHP: what one
-``PhabricatorTaskmasterDaemon`` does to the database per task, as of Phorge 07c1a51310
-(``src/infrastructure/daemon/workers/``):
-
-- ``PhabricatorTaskmasterDaemon::run()``: lease ONE task, execute it, ``sleep(0)``; when
-  nothing was leased, ``sleep(1)``, a whole second (enqueueing wakes nothing).
-- ``PhabricatorWorkerLeaseQuery::execute()``: phase "unleased" (``leaseOwner IS NULL
-  ORDER BY priority, id LIMIT 1``), and only if that leased nothing phase "expired"
-  (``leaseExpires < UNIX_TIMESTAMP() ORDER BY leaseExpires``); each a SELECT of ``id,
-  leaseOwner``, then an UPDATE repeating the condition that sets the owner and
-  ``leaseExpires = UNIX_TIMESTAMP() + 7200`` (the affected rows decide); then ``SELECT
-  task.*, taskdata.data _taskData, UNIX_TIMESTAMP() _serverTime ... LEFT JOIN`` on the
-  owner. The owner is ``getLeaseOwnershipName()``: ``pid:time:host:sequence``.
-- ``PhabricatorWorkerActiveTask::executeTask()``: ``checkLease()`` from the server time
-  read at lease (no query), the run timed in microseconds, then ``archiveTask()``:
-  ``START TRANSACTION``, ``DELETE`` the active row, ``INSERT`` the archive row, ``COMMIT``.
-- ``PhabricatorTestWorker``: ``usleep(duration * 1000000)``.
-
-One connection, autocommit on (as PHP's mysqli), statements sent as text with client-side
-quoting (as ``qsprintf``). Deliberately left out: the overseer (heartbeats,
-``daemon_log`` rows, autoscaling), PHP itself (its CPU per task is Python's: compare
-round trips and commits, not CPU), and all but the success path the bench's tasks take
-(a failing task ends the process, which the bench reports). It writes a record per task
-(``records.RecordWriter``). SIGTERM ends it at once.
+Followed: ``PhabricatorTaskmasterDaemon::run()`` (lease ONE task, run it, ``sleep(1)`` when
+idle), ``PhabricatorWorkerLeaseQuery`` (phases "unleased" then "expired": SELECT, UPDATE
+on the same condition, then the joined read), ``executeTask()`` (``checkLease()`` from the
+server time, ``archiveTask()`` in one transaction), ``PhabricatorTestWorker`` (a sleep).
+One autocommit connection, text statements as ``qsprintf``. Left out: the overseer, PHP
+(compare round trips and commits, not CPU) and every path but success. SIGTERM ends it.
 """
 
 from __future__ import annotations
@@ -43,7 +26,7 @@ from typing import Any
 
 import MySQLdb
 
-from benchkit.records import COUNTERS, RecordWriter
+from benchkit.records import RecordWriter, Spans
 
 DEFAULT_LEASE = 2 * 60 * 60  # PhabricatorWorkerLeaseQuery::getDefaultLeaseDuration
 IDLE_SLEEP = 1  # PhabricatorTaskmasterDaemon: "When there's no work, sleep for one second."
@@ -54,11 +37,9 @@ PHASES = {
     "unleased": ("WHERE leaseOwner IS NULL", "ORDER BY priority ASC, id ASC"),
     "expired": ("WHERE leaseExpires < UNIX_TIMESTAMP()", "ORDER BY leaseExpires ASC"),
 }
-ARCHIVE_COLUMNS = (
-    "id", "taskClass", "leaseOwner", "leaseExpires", "failureCount", "dataID", "priority",
-    "objectPHID", "containerPHID", "result", "duration", "archivedEpoch", "dateCreated",
-    "dateModified",
-)  # fmt: skip
+ARCHIVE_COLUMNS = ("id", "taskClass", "leaseOwner", "leaseExpires", "failureCount", "dataID",
+                   "priority", "objectPHID", "containerPHID", "result", "duration",
+                   "archivedEpoch", "dateCreated", "dateModified")  # fmt: skip
 
 
 @dataclass
@@ -73,14 +54,14 @@ class Task:
         return int(self.row["id"])
 
 
+@dataclass
 class Connection:
-    """The one MySQLdb connection, sending one statement per query as ``queryfx`` does."""
+    """The one MySQLdb connection, one statement a query as ``queryfx``."""
 
-    def __init__(self, conn: MySQLdb.Connection) -> None:
-        self.conn = conn
+    conn: MySQLdb.Connection
 
     def query(self, sql: str, args: Any = None) -> tuple[list[dict[str, Any]], int]:
-        """Run one statement; (rows, affected rows)."""
+        """(rows, affected rows) of one statement."""
         cur = self.conn.cursor(MySQLdb.cursors.DictCursor)
         affected = cur.execute(sql, args)
         rows = list(cur.fetchall()) if cur.description else []
@@ -97,40 +78,31 @@ def lease_owner_name(sequence: count) -> str:
 
 
 def lease_one(db: Connection, owner: str) -> Task | None:
-    """``PhabricatorWorkerLeaseQuery->setLimit(1)->execute()``."""
-    limit, leased, phase = 1, 0, "unleased"
+    """``PhabricatorWorkerLeaseQuery->setLimit(1)->execute()``: each phase until one leases."""
     for phase, (where, order) in PHASES.items():
-        rows, _ = db.query(
-            f"SELECT id, leaseOwner FROM `worker_activetask` {where} {order} LIMIT {limit - leased}"
+        select = f"SELECT id, leaseOwner FROM `worker_activetask` {where} {order} LIMIT 1"
+        rows, _ = db.query(select)
+        if not rows:
+            continue
+        row = rows[0]
+        if phase == "unleased":
+            condition, keys = f"WHERE leaseOwner IS NULL AND id IN ({int(row['id'])})", ()
+        else:
+            condition, keys = "WHERE (id = %s AND leaseOwner = %s)", (row["id"], row["leaseOwner"])
+        _, affected = db.query(
+            "UPDATE `worker_activetask` task"
+            f" SET leaseOwner = %s, leaseExpires = UNIX_TIMESTAMP() + %s {condition}",
+            (owner, DEFAULT_LEASE, *keys),
         )
-        if rows:
-            if phase == "unleased":
-                ids = ", ".join(str(int(r["id"])) for r in rows)
-                condition = f"WHERE leaseOwner IS NULL AND id IN ({ids})"
-                args: tuple[Any, ...] = (owner, DEFAULT_LEASE)
-            else:
-                condition = "WHERE " + " OR ".join(["(id = %s AND leaseOwner = %s)"] * len(rows))
-                args = (
-                    owner,
-                    DEFAULT_LEASE,
-                    *(v for r in rows for v in (r["id"], r["leaseOwner"])),
-                )
-            _, affected = db.query(
-                "UPDATE `worker_activetask` task"
-                f" SET leaseOwner = %s, leaseExpires = UNIX_TIMESTAMP() + %s {condition}",
-                args,
-            )
-            leased += affected
-            if leased == limit:
-                break
-    if not leased:
+        if affected:
+            break
+    else:
         return None
     rows, _ = db.query(
         "SELECT task.*, taskdata.data _taskData, UNIX_TIMESTAMP() _serverTime"
         " FROM `worker_activetask` task LEFT JOIN `worker_taskdata` taskdata"
-        " ON taskdata.id = task.dataID"
-        f" WHERE task.leaseOwner = %s AND leaseExpires > UNIX_TIMESTAMP() {PHASES[phase][1]}"
-        f" LIMIT {limit}",
+        " ON taskdata.id = task.dataID WHERE task.leaseOwner = %s"
+        f" AND leaseExpires > UNIX_TIMESTAMP() {order} LIMIT 1",
         (owner,),
     )
     if not rows:
@@ -180,8 +152,7 @@ def archive(db: Connection, task: Task, result: int, duration: int) -> None:
 
 
 def execute_task(db: Connection, task: Task) -> None:
-    """``PhabricatorWorkerActiveTask::executeTask()`` for PhabricatorTestWorker: its
-    success path."""
+    """``PhabricatorWorkerActiveTask::executeTask()``: its success path."""
     check_lease(task)
     started = time.time()
     do_work(task)
@@ -190,17 +161,15 @@ def execute_task(db: Connection, task: Task) -> None:
 
 def run(db: Connection, records: RecordWriter) -> None:
     """``PhabricatorTaskmasterDaemon::run()``, forever (until SIGTERM/SIGKILL)."""
-    sequence = count(1)
+    sequence, spans = count(1), Spans(records)
     while True:
         task = lease_one(db, lease_owner_name(sequence))
         if task is None:
             time.sleep(IDLE_SLEEP)
             continue
-        started, cpu = time.time(), time.thread_time()
+        spans.start(task.id)
         execute_task(db, task)
-        ended = time.time()
-        cpu = time.thread_time() - cpu
-        records.write("taskmaster", task.id, started, ended, cpu, counters=COUNTERS.snapshot())
+        spans.end(task.id, "taskmaster", task.id)
 
 
 def main() -> None:

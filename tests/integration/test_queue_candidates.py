@@ -16,7 +16,7 @@ from sqlalchemy import create_engine, event, insert, update
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue import statements as sql
 from bridge.queue.dialect import db_now
-from bridge.queue.model import YIELD_OWNER, Held, NewTask, RecentRuns
+from bridge.queue.model import YIELD_OWNER, InFlight, NewTask, RecentRuns
 from bridge.queue.phorge_queue import RangeSizes
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
@@ -69,10 +69,10 @@ def test_held_by_class_counts_live_leases_with_their_worst_priority(q):
     q.enqueue(OTHER, priority=4000)
     lease_ids(q, 10, [WORKER, OTHER])
 
-    assert q.held_by_class("bridge") == {WORKER: Held(3, 3000), OTHER: Held(1, 4000)}
-    assert q.held_by_class("bridge", [WORKER, "Absent"]) == {WORKER: Held(3, 3000)}
-    assert q.held_by_class("bridge", []) == {}
-    assert q.held_by_class("other") == {}
+    assert q.in_flight_by_class("bridge") == {WORKER: InFlight(3, 3000), OTHER: InFlight(1, 4000)}
+    assert q.in_flight_by_class("bridge", [WORKER, "Absent"]) == {WORKER: InFlight(3, 3000)}
+    assert q.in_flight_by_class("bridge", []) == {}
+    assert q.in_flight_by_class("other") == {}
 
 
 def test_held_by_class_leaves_out_expired_leases_and_rows_waiting_to_retry(q):
@@ -81,7 +81,7 @@ def test_held_by_class_leaves_out_expired_leases_and_rows_waiting_to_retry(q):
     expire(q, [expired], owner=owner)
     set_rows(q, [waiting], failureTime=db_now(), leaseExpires=db_now() + 600)
 
-    assert q.held_by_class("bridge", [WORKER]) == {WORKER: Held(1, 3000)}
+    assert q.in_flight_by_class("bridge", [WORKER]) == {WORKER: InFlight(1, 3000)}
 
 
 # -- recent runs ------------------------------------------------------------------------

@@ -61,12 +61,12 @@ def test_a_dispatch_redelivered_during_its_retry_wait_no_longer_holds(q):
     q.enqueue(WORKER, {})
     [task] = q.lease(1, 300)
     session = q.session
-    assert session.held(task.lease) is not None
+    assert session.check(task.lease) is not None
     assert session.apply([temporary_failure(task.lease, 600)]) == [True]
     # Same owner, unexpired lease (the retry wait): PHP's fence alone would still pass.
     row = q.get(task.id)
     assert (row.lease_owner, row.failure_count) == (task.lease_owner, 1)
-    assert session.held(task.lease) is None
+    assert session.check(task.lease) is None
     assert not session.complete(task.lease, 1)
     assert session.apply([temporary_failure(task.lease, 600)]) == [False]
     assert q.get(task.id).failure_count == 1

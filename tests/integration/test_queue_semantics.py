@@ -330,11 +330,11 @@ def test_a_stale_owner_changes_nothing(q, outcome, released):
 
 def test_held_and_free_own_touch_only_the_callers_live_leases(q):
     mine, theirs = leased_task(q), leased_task(q)
-    assert q.session.held(mine.lease).id == mine.id
-    assert q.session.held(Lease(theirs.id, mine.lease_owner, theirs.failure_count)) is None
+    assert q.session.check(mine.lease).id == mine.id
+    assert q.session.check(Lease(theirs.id, mine.lease_owner, theirs.failure_count)) is None
     assert q.free_own([mine.id, theirs.id], mine.lease_owner) == 1
     assert active_row(q, theirs.id).leaseOwner == theirs.lease_owner
-    assert q.session.held(mine.lease) is None
+    assert q.session.check(mine.lease) is None
     expect_next_lease(q, mine.id)  # handed back, due at once
 
 

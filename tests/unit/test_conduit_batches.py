@@ -139,7 +139,7 @@ def test_requests_in_flight_never_pass_the_bound(tmp_path: Path) -> None:
 
 
 def _hold_forever(directory: str, held: Any) -> None:
-    with RequestSlots(1, directory).held():
+    with RequestSlots(1, directory).slot():
         held.set()
         time.sleep(3600)
 
@@ -167,5 +167,5 @@ def test_a_slot_held_by_a_killed_process_is_free_again(tmp_path: Path) -> None:
 
 
 def _take(slots: RequestSlots) -> list[int]:
-    with slots.held() as slot:
+    with slots.slot() as slot:
         return [slot]

@@ -17,8 +17,8 @@ from bridge.queue.model import (
     check_priority,
     check_seconds,
     check_task_class,
-    classify,
     new_owner,
+    state_of,
 )
 
 NOW = 1_700_000_000
@@ -156,8 +156,8 @@ def leased_at(epoch: int) -> str:
         (YIELD_OWNER, NOW - 3600, None, State.YIELD_ENDED),  # awakened
     ],
 )
-def test_classify(owner, expires, failure_time, state):
-    assert classify(owner, expires, failure_time, NOW) is state
+def test_state_of(owner, expires, failure_time, state):
+    assert state_of(owner, expires, failure_time, NOW) is state
 
 
 def _task(**fields) -> Task:

@@ -183,7 +183,7 @@ class ConduitProxyHandler(BatchHandler):
 
     def _execute(self, params: dict[str, Any], read_timeout: float, task: TaskContext) -> Any:
         """One ``worker.execute`` request, in one of the worker's slots."""
-        with self.slots.held() if self.slots is not None else nullcontext():
+        with self.slots.slot() if self.slots is not None else nullcontext():
             return self.client.call(
                 WORKER_EXECUTE, params, read_timeout=read_timeout, headers=trace_headers(task)
             )

@@ -44,7 +44,7 @@ class RequestSlots:
         self.directory = Path(directory or share_with_pool())
 
     @contextmanager
-    def held(self) -> Iterator[int]:
+    def slot(self) -> Iterator[int]:
         """Hold a free slot while the block runs (waiting for one when all are taken);
         yields its number."""
         first = random.randrange(self.count)

@@ -1,12 +1,9 @@
 <?php
 
 /**
- * phorge-bridge's scripts/bench: a task class that does nothing, so that the
- * bench measures what running a PHP-only class costs (the queue, the process
- * around it), not the work. The bench copies this file into the
- * src/extensions/ of its own scratch copy of Phorge (Phorge loads that
- * directory's files itself, no library map needed) and removes it afterwards.
- * Never install it into a Phorge that serves anyone.
+ * scripts/bench's task class that does nothing: what a PHP-only class costs around
+ * the work. Copied into the bench's scratch copy's src/extensions/ only; never into
+ * a Phorge that serves anyone.
  */
 final class PhorgeBridgeBenchNoopWorker extends PhabricatorWorker {
 

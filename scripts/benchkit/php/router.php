@@ -1,10 +1,8 @@
 <?php
 
 /**
- * phorge-bridge's scripts/bench: the router of its web tier, `php -S ... router.php`,
- * doing what a web server's rewrite rule does for Phorge (as the tests' router).
- * One path of its own, /__bench/opcache, answers opcache_get_status() of the
- * worker that serves it, so the bench can say whether opcache was on.
+ * scripts/bench's web tier router (`php -S ... router.php`): Phorge's rewrite rule, and
+ * /__bench/opcache, the serving worker's opcache status, so the bench can check it.
  */
 $path = parse_url($_SERVER['REQUEST_URI'], PHP_URL_PATH);
 if ($path === '/__bench/opcache') {
@@ -12,10 +10,7 @@ if ($path === '/__bench/opcache') {
   $status = function_exists('opcache_get_status') ? @opcache_get_status(false) : false;
   $stats = is_array($status) ? $status['opcache_statistics'] : array();
   echo json_encode(array(
-    'sapi' => PHP_SAPI,
-    'pid' => getmypid(),
     'enabled' => is_array($status) && !empty($status['opcache_enabled']),
-    'scripts' => isset($stats['num_cached_scripts']) ? $stats['num_cached_scripts'] : 0,
     'hits' => isset($stats['hits']) ? $stats['hits'] : 0,
     'misses' => isset($stats['misses']) ? $stats['misses'] : 0,
   ));

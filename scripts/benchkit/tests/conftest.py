@@ -1,6 +1,5 @@
-"""Fixtures of the kit's own tests (``testpaths`` in pyproject.toml). Outside ``tests/``,
-they see none of its fixtures; the database comes from the same helpers, on the tests'
-MariaDB (a test that uses it carries the ``mariadb`` marker itself)."""
+"""The kit's tests' fixtures: they see none of ``tests/``; the database comes from the same
+helpers, on the tests' MariaDB (a test using it carries the ``mariadb`` marker)."""
 
 from __future__ import annotations
 

@@ -1,45 +1,33 @@
-"""What measured processes record, and the counts the report divides: a query's statements
-and commits, records read back whole (a forked child in its own file), counters between
-two instants, nearest-rank percentiles."""
+"""What measured processes record, and the counts the report divides."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from benchkit.records import (
-    Counters,
-    Record,
-    RecordWriter,
-    counters_between,
-    percentile,
-    read_records,
-    split,
-)
+from benchkit import records
+from benchkit.records import Counters, Record, RecordWriter
 
 
 @pytest.mark.parametrize(
     ("query", "expected"),
     [
-        (
-            b"START TRANSACTION;INSERT INTO a SELECT 1;DELETE FROM b WHERE id = 7;COMMIT;SELECT 8",
-            (3, 1),
-        ),
+        (b"START TRANSACTION;INSERT INTO a SELECT 1;DELETE FROM b WHERE id = 7;COMMIT;SELECT 8",
+         (3, 1)),
         (b"SELECT 'a;b' FROM t;SELECT `odd;name`; SELECT 'it\\'s; fine'", (3, 0)),
         (b"SELECT '' FROM t; ;SELECT 1;", (2, 0)),
         ("commit", (0, 1)),
         ("SELECT %s; SELECT 2", (2, 0)),  # a cursor's template: parameters add no separator
     ],
-)
+)  # fmt: skip
 def test_a_query_is_split_into_statements_and_commits(query, expected):
-    assert split(query) == expected
+    assert records.split(query) == expected
 
 
 def test_a_record_reads_back_and_a_forked_child_writes_its_own_file(tmp_path):
     writer = RecordWriter(tmp_path)
-    writer.write(
-        "bridge.run", 42, 1700000000.25, 1700000000.5, 0.000125, counters=Counters(3, 1, 2)
-    )
+    line = ("bridge.run", 42, 1700000000.25, 1700000000.5, 0.000125)
+    writer.write(*line, counters=Counters(3, 1, 2))
     child = os.fork()
     if child == 0:  # pragma: no cover
         try:
@@ -47,9 +35,8 @@ def test_a_record_reads_back_and_a_forked_child_writes_its_own_file(tmp_path):
         finally:
             os._exit(0)
     assert os.waitpid(child, 0)[1] == 0
-    by_pid = {r.pid: r for r in read_records(tmp_path)}
-    assert by_pid[os.getpid()] == Record(os.getpid(), "bridge.run", 42, 1700000000.25, 1700000000.5,
-                                         0.000125, Counters(3, 1, 2))  # fmt: skip
+    by_pid = {r.pid: r for r in records.read_records(tmp_path)}
+    assert by_pid[os.getpid()] == Record(os.getpid(), *line, Counters(3, 1, 2))
     assert (by_pid[child].name, by_pid[child].task_id) == ("child", None)
 
 
@@ -63,10 +50,10 @@ def test_requests_between_two_instants_come_from_each_processes_latest_counters(
         rec(1, 20.0, 99, 9, 99),  # after the run: not counted
         rec(2, 11.0, 4, 1, 2),  # a process that started during the run
     ]  # fmt: skip
-    assert counters_between(found, since=10.0, until=12.0) == Counters(9, 3, 6)
+    assert records.counters_between(found, since=10.0, until=12.0) == Counters(9, 3, 6)
 
 
 def test_percentiles_are_nearest_rank_measured_values():
     values = [float(v) for v in range(1, 101)]
-    assert [percentile(values, f) for f in (0.5, 0.95, 0.99)] == [50.0, 95.0, 99.0]
-    assert percentile([0.3, 0.1, 0.2], 0.5) == 0.2
+    assert [records.percentile(values, f) for f in (0.5, 0.95, 0.99)] == [50.0, 95.0, 99.0]
+    assert records.percentile([0.3, 0.1, 0.2], 0.5) == 0.2

@@ -49,9 +49,8 @@ def test_it_leases_the_most_urgent_row_for_two_hours_then_the_oldest_expired(db)
     assert taskmaster.lease_one(db, taskmaster.lease_owner_name(sequence)).id == batch.first
 
     expired = batch.first + 1  # leased by a dead taskmaster: the "expired" phase takes it
-    db.query(
-        "UPDATE worker_activetask SET leaseOwner = 'x', leaseExpires = 1 WHERE id = %s", (expired,)
-    )
+    dead = "UPDATE worker_activetask SET leaseOwner = 'x', leaseExpires = 1 WHERE id = %s"
+    db.query(dead, (expired,))
     assert taskmaster.lease_one(db, taskmaster.lease_owner_name(sequence)).id == expired
     assert taskmaster.lease_one(db, taskmaster.lease_owner_name(sequence)) is None
 
