@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
-from bridge.runtime.sqlite_broker import POLLING_INTERVAL
+from kombu import Connection
+from sqlalchemy import create_engine, event, text
+
+from bridge.runtime.sqlite_broker import POLLING_INTERVAL, Transport
 
 PROBE = """
 import json
@@ -35,3 +38,30 @@ def test_the_default_broker_is_the_bridges_sqlite_transport(tmp_path):
     assert (module, interval) == ("bridge.runtime.sqlite_broker", POLLING_INTERVAL)
     assert POLLING_INTERVAL <= 0.05
     assert payload == {"n": 1}, "a message goes through it as through kombu's"
+
+
+def test_a_queue_another_process_creates_meanwhile_is_used_not_a_crash(tmp_path):
+    """A worker and a beat started together both declare the control queue: the one
+    whose insert comes second finds the other's row (it crashed at start on the UNIQUE
+    constraint). The other process is a second engine inserting just before ours."""
+    path = tmp_path / "broker.db"
+    with Connection(f"sqlite:///{path}", transport=Transport) as conn:  # as celeryconfig
+        assert isinstance(conn.default_channel, Transport.Channel)
+        channel = conn.default_channel
+        channel._get_or_create("warm-up")  # the tables exist
+        other = create_engine(f"sqlite:///{path}")
+        raced: list[str] = []
+
+        @event.listens_for(channel.session.get_bind(), "before_cursor_execute")
+        def insert_first(_conn, _cursor, statement, *_args):
+            if statement.startswith("INSERT INTO kombu_queue") and not raced:
+                raced.append(statement)
+                with other.begin() as theirs:
+                    theirs.execute(text("INSERT INTO kombu_queue (name) VALUES ('control')"))
+
+        created = channel._get_or_create("control")
+        assert raced, "the other process's insert came first"
+        assert created.name == "control"
+        with other.connect() as theirs:
+            rows = theirs.execute(text("SELECT count(*) FROM kombu_queue WHERE name='control'"))
+            assert rows.scalar_one() == 1
