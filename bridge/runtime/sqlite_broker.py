@@ -21,10 +21,10 @@ POLLING_INTERVAL = 0.05  # seconds between two reads of an empty queue
 class Channel(SQLAlchemyChannel):
     def _get_or_create(self, queue: str) -> Any:
         try:
-            return super()._get_or_create(queue)
+            return super()._get_or_create(queue)  # type: ignore[misc]  # untyped in the stubs
         except IntegrityError:  # another process inserted it between our read and ours
             self.session.rollback()
-            return super()._get_or_create(queue)
+            return super()._get_or_create(queue)  # type: ignore[misc]  # untyped in the stubs
 
 
 class Transport(SQLAlchemyTransport):
