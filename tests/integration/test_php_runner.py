@@ -100,6 +100,16 @@ def test_every_ordinary_outcome() -> None:
         assert heard.live == len(heard.pids) == 1  # one process ran them all
 
 
+def test_a_spec_php_cannot_read_fails_the_task_for_good() -> None:
+    """A row PHP refuses to read (an empty class: ``newTaskFromSpec``) never runs: a
+    visible permanent failure naming the field, not a retry forever."""
+    with runner_handler() as handler:
+        refused = run_handler(handler, context(""))
+        assert refused.outcome is Outcome.PERMANENT_FAILURE
+        assert "the PHP runner refused the task" in refused.reason
+        assert "taskClass" in refused.reason
+
+
 def test_what_a_task_prints_never_corrupts_an_answer(caplog: pytest.LogCaptureFixture) -> None:
     with runner_handler() as handler:
         for _ in range(3):
