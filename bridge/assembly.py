@@ -20,9 +20,11 @@ import os
 from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
 
+from bridge.canary.store import CanaryView
+from bridge.canary.weights import NATIVE, OPTION, SCALE, Canary, percent
 from bridge.config import Settings, current_settings
 from bridge.engine.context import Runtime, open_runtime
-from bridge.errors import BridgeError
+from bridge.errors import BridgeError, ConfigError
 from bridge.handlers.api import Handler
 from bridge.handlers.registry import Registry
 from bridge.metrics import count_runs
@@ -104,6 +106,36 @@ def build_runtime(settings: Settings) -> Runtime:
     runs counted in the metrics."""
     count_runs()
     return open_runtime(settings, build_registry(settings))
+
+
+def unhonoured(canary: Canary, registry: Registry) -> list[str]:
+    """What of ``canary`` a worker serving ``registry`` cannot honour, one line per class:
+    a native weight below 100 for a class it serves natively but has no PHP path for (no
+    runner glob matches it, no Conduit): the old side's share would have nowhere to run."""
+    problems = []
+    for task_class, handler in registry.native.items():
+        weight = canary.weight(task_class, NATIVE)
+        if weight >= SCALE or registry.handler_for(task_class) is not handler:
+            continue
+        if registry.php_handler_for(task_class) is None:
+            problems.append(
+                f"{task_class}: native weight {percent(weight):g}% needs a PHP path for the "
+                "class in this worker (a BRIDGE_RUNNER_CLASSES glob with BRIDGE_PHORGE_ROOT, "
+                "or BRIDGE_CONDUIT_URL), and it has none"
+            )
+    return problems
+
+
+def check_canary(rt: Runtime) -> Canary:
+    """The weights a worker starts with, read fresh: raises ConfigError naming
+    ``phorge-bridge.canary`` for weights that are not valid, or that this worker cannot
+    honour (:func:`unhonoured`). Later, bad values are logged and the last good ones kept
+    (``CanaryView``)."""
+    canary = rt.canary.store.read() if isinstance(rt.canary, CanaryView) else rt.canary.current()
+    problems = unhonoured(canary, rt.registry)
+    if problems:
+        raise ConfigError(OPTION, "; ".join(problems))
+    return canary
 
 
 _runtimes: dict[int, Runtime] = {}

@@ -117,7 +117,9 @@ BROKER_SCHEMES = ("amqp", "pyamqp", "amqps", "redis", "rediss", "sqla+sqlite")
 # (measured: 200 starved four busy children), small enough that a backlog of slow tasks
 # is still started within the dispatch lease (concurrency x lease / duration).
 DEFAULT_MAX_INFLIGHT = 500
-MAX_OWNER_PREFIX = 24  # leaves room for ":pid:time:host:sequence" in varchar(64)
+# Leaves room in varchar(64) for ":pid:time:host:sequence" and the ":label" an archive
+# row adds (":conduit-fallback"), so every run of this bridge names its implementation.
+MAX_OWNER_PREFIX = 15
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,23 @@ def _fraction(raw: str) -> float:
     if not 0 <= value <= 1:
         raise ValueError(f"expected a number from 0 to 1, got {raw!r}")
     return value
+
+
+def _factor(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not (value >= 1 and math.isfinite(value)):
+        raise ValueError(f"expected a number of at least 1, got {raw!r}")
+    return value
+
+
+def _database_name(raw: str) -> str:
+    name = raw.strip()
+    if not re.fullmatch(r"[A-Za-z0-9_$]{1,64}", name):
+        raise ValueError(f"expected a database name (letters, digits, _ or $), got {raw!r}")
+    return name
 
 
 def _boolean(raw: str) -> bool:
@@ -502,6 +521,67 @@ class Settings:
         _optional(str.strip),
         "a file a deploy touches (`touch` it after new Phorge code is in place): PHP runner "
         "processes older than it are replaced before their next task",
+    )
+    canary_database: str | None = setting(
+        "BRIDGE_CANARY_DATABASE",
+        "",
+        _optional(_database_name),
+        "database of Phorge's config table, where the gray migration's weights and state "
+        "live (default: `{namespace}_config` beside the worker database; SQLite: its file)",
+    )
+    canary_refresh: float = setting(
+        "BRIDGE_CANARY_REFRESH",
+        "1",
+        _seconds,
+        "seconds a process keeps the canary weights before reading them again",
+    )
+    canary_guard_interval: float = setting(
+        "BRIDGE_CANARY_GUARD_INTERVAL",
+        "1",
+        _seconds,
+        "seconds between two runs of the canary guard (beat sends it)",
+    )
+    canary_window: int = setting(
+        "BRIDGE_CANARY_WINDOW",
+        "300",
+        _positive_int,
+        "seconds of archived runs the canary guard and `canary report` judge",
+    )
+    canary_window_runs: int = setting(
+        "BRIDGE_CANARY_WINDOW_RUNS",
+        "500",
+        _positive_int,
+        "newest archived runs of each side the canary guard judges",
+    )
+    canary_min_runs: int = setting(
+        "BRIDGE_CANARY_MIN_RUNS",
+        "10",
+        _positive_int,
+        "new-side runs in the window before the canary guard judges a class",
+    )
+    canary_min_failures: int = setting(
+        "BRIDGE_CANARY_MIN_FAILURES",
+        "3",
+        _positive_int,
+        "new-side failures in the window before the canary guard may roll a class back",
+    )
+    canary_max_drop: float = setting(
+        "BRIDGE_CANARY_MAX_DROP",
+        "0.02",
+        _fraction,
+        "how far (0..1) the new side's success ratio may fall below the old side's",
+    )
+    canary_max_slowdown: float = setting(
+        "BRIDGE_CANARY_MAX_SLOWDOWN",
+        "3",
+        _factor,
+        "how many times the old side's median duration the new side's may reach",
+    )
+    canary_slowdown_floor: float = setting(
+        "BRIDGE_CANARY_SLOWDOWN_FLOOR",
+        "1",
+        _seconds,
+        "seconds the new side's median must exceed the old side's by before it counts as slower",
     )
 
     router: Router = field(init=False)

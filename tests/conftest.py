@@ -19,8 +19,11 @@ from contextlib import ExitStack
 
 import pytest
 import sqlalchemy as sa
-from services import MYSQL_URL, create_mysql_engine, database, service_url
+from click.testing import CliRunner
+from services import MYSQL_URL, create_mysql_engine, database, service_url, url_of
 
+from bridge.cli.main import main
+from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.schema import metadata
 
 # Tests that drive a real Phorge checkout are collected only when PHORGE_ROOT names one
@@ -31,6 +34,8 @@ if not os.environ.get("PHORGE_ROOT"):
         "integration/test_conduit_phorge.py",
         "integration/test_php_runner_phorge.py",
         "integration/test_php_task_spec.py",
+        "integration/test_queue_daemon.py",
+        "integration/test_gray_migration_phorge.py",
     ]
 
 # Fixtures that reach each service, for marking tests (pytest -m "not mariadb").
@@ -111,6 +116,33 @@ def mysql_engine(_mysql_module_engine: sa.Engine) -> sa.Engine:
         for table in metadata.sorted_tables:
             conn.exec_driver_sql(f"TRUNCATE TABLE `{table.name}`")
     return _mysql_module_engine
+
+
+@pytest.fixture
+def mysql_queue(mysql_engine: sa.Engine) -> Iterator[PhorgeQueue]:
+    """A queue on ``mysql_engine``'s database, through an engine of the product's own
+    settings (``make_engine``), disposed of afterwards."""
+    queue = PhorgeQueue(make_engine(url_of(mysql_engine)))
+    yield queue
+    queue.engine.dispose()
+
+
+@pytest.fixture
+def cli_invoke(mysql_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> Callable[..., str]:
+    """Run ``phorge-bridge`` against the test database, with no other ``BRIDGE_`` setting:
+    ``cli_invoke("list", code=0)`` asserts the exit code and returns the output."""
+    for name in os.environ:
+        if name.startswith("BRIDGE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("BRIDGE_DATABASE_URL", url_of(mysql_engine))
+    runner = CliRunner()
+
+    def invoke(*args: str, code: int = 0) -> str:
+        result = runner.invoke(main, list(args), catch_exceptions=False)
+        assert result.exit_code == code, result.output
+        return result.output
+
+    return invoke
 
 
 @pytest.fixture

@@ -19,7 +19,10 @@ from typing import Any, Literal, cast
 from sqlalchemy import Engine, inspect
 
 from bridge.assembly import build_registry
+from bridge.canary.store import CanaryStore
+from bridge.canary.weights import DEFAULT, LEVELS, OPTION, SCALE, percent
 from bridge.cli.service_errors import driver_error, first_line
+from bridge.cli.tasks import stamp
 from bridge.config import ConfigError, Settings, load_settings
 from bridge.errors import (
     ConduitAuthError,
@@ -36,7 +39,7 @@ from bridge.queue import PhorgeQueue
 from bridge.queue import statements as sql
 from bridge.queue.beat_lock import beat_lock_holder
 from bridge.queue.dialect import is_mysql
-from bridge.queue.schema import metadata
+from bridge.queue.schema import WORKER_TABLES
 from bridge.transports.conduit.client import ConduitClient
 from bridge.transports.conduit.handler import ConduitProxyHandler
 from bridge.transports.php_runner.process import RunnerCommand, RunnerProcess
@@ -169,7 +172,7 @@ def check_tables(doctor: Doctor) -> Check:
     inspector = inspect(engine)
     problems = []
     existing = set(inspector.get_table_names())
-    for table in metadata.sorted_tables:
+    for table in WORKER_TABLES:
         if table.name not in existing:
             problems.append(f"{table.name} is missing")
             continue
@@ -188,7 +191,7 @@ def check_tables(doctor: Doctor) -> Check:
                 problems.append(f"{table.name}.{column.name} should be {null}")
     if problems:
         return Check("tables", "fail", "; ".join(problems))
-    return Check("tables", "ok", ", ".join(t.name for t in metadata.sorted_tables))
+    return Check("tables", "ok", ", ".join(t.name for t in WORKER_TABLES))
 
 
 def check_task_id_counter(doctor: Doctor) -> Check:
@@ -489,10 +492,78 @@ def check_taskmasters(doctor: Doctor) -> Check:
             name,
             "warn",
             f"{live} running. They split the work with the bridge, and retry Python-only "
-            "classes every 5 minutes forever: set phd.taskmasters to 0 and restart phd "
+            "classes every 5 minutes forever: set phd.taskmasters to 0 and restart phd, "
+            "launching PhorgeBridgeQueueDaemon for a gray migration "
             f"(docs/operations.md){ignored}",
         )
     return Check(name, "ok", f"none running{ignored}")
+
+
+def check_canary(doctor: Doctor) -> Check:
+    """The gray migration's weights (Phorge's option phorge-bridge.canary): which classes
+    are shared, and those the guard or an operator rolled back."""
+    doctor.require("database")
+    assert doctor.settings is not None
+    engine = doctor.queue.engine
+    store = CanaryStore.for_settings(engine, doctor.settings, warn_missing=False)
+    try:
+        values = store.read_values()
+    except Exception as exc:
+        cause = driver_error(exc)
+        if not cause.args or cause.args[0] not in ACCESS_DENIED:
+            problem = first_line(cause)
+        else:
+            with engine.connect() as conn:
+                user, _, host = conn.execute(sql.current_account()).scalar_one().rpartition("@")
+            problem = (
+                "this account may not use Phorge's config table: GRANT SELECT, INSERT, UPDATE "
+                f"ON {store.table_name} TO '{user}'@'{host}'"
+            )
+        return Check(
+            "canary",
+            "warn",
+            f"weights unknown, so every class runs wholly on the bridge: {problem}",
+        )
+    if values is None:
+        return Check(
+            "canary",
+            "ok",
+            f"no weights: {store.table_name} does not exist, so every class runs wholly on "
+            "the bridge (BRIDGE_CANARY_DATABASE names the database of Phorge's config table)",
+        )
+    try:
+        canary = store.read()
+    except ConfigError as exc:
+        return Check(
+            "canary",
+            "fail",
+            f"{exc} (in {store.table_name}): fix it with "
+            f"./bin/config set --database {OPTION} '<json>'",
+        )
+    now = doctor.queue.server_time()
+    rolled_back = [
+        f"{name} ({level}) rolled back since {stamp(state.rolled_back_at, now)}: "
+        f"{state.reason}; once fixed, run `phorge-bridge canary promote {name} --level {level}`"
+        for name in canary.named
+        for level in LEVELS
+        if (state := canary.state.of(name, level)).rolled_back
+    ]
+    shared = {(name, level) for name, level, _ in canary.partial()}
+    weights = []
+    for name in canary.named:
+        below = [
+            f"{level} {percent(canary.weight(name, level)):g}%"
+            + (" (shared)" if (name, level) in shared else "")
+            for level in LEVELS
+            if canary.weight(name, level) < SCALE
+        ]
+        weights.append(f"{name} {', '.join(below) or '100%'}")
+    others = ", ".join(f"{lv} {percent(canary.configured(DEFAULT).at(lv)):g}%" for lv in LEVELS)
+    named = f"weights: {'; '.join(weights)}" if weights else f"no class is named in {OPTION}"
+    detail = f"{named}; every other class: {others}"
+    if rolled_back:
+        return Check("canary", "warn", f"{'; '.join(rolled_back)}. {detail}")
+    return Check("canary", "ok", detail)
 
 
 def check_clock_skew(doctor: Doctor) -> Check:
@@ -530,6 +601,7 @@ CHECKS: list[Callable[[Doctor], Check]] = [
     check_php_runner,
     check_php_extension_files,
     check_taskmasters,
+    check_canary,
     check_clock_skew,
 ]
 

@@ -3,11 +3,12 @@
 Phorge's tables keep no history and no failure reason; the bridge's log lines do. Every
 line written about a task ends with its tag (``bridge.engine.tracing.TaskTrace.tag``:
 ``[task=ID class=CLASS owner=OWNER traceparent=...]``), and each run's last line is its
-outcome (``bridge.engine.run.RunReport.describe``: ``Class#ID: OUTCOME[: reason][ (due again
-in N s)]``). The tag is matched whole, so task 12 never picks up task 120's lines. Celery's
-own line about the run quotes the outcome (``raised expected: TaskFailed('Class#ID:
-...')``): the label must follow a space or start the line, so only the bridge's line
-counts, never the quote (whose reason would end in ``')``).
+outcome (``bridge.engine.run.RunReport.describe``: ``Class#ID [IMPLEMENTATION]: OUTCOME[:
+reason][ (due again in N s)]``, without the implementation when no handler was chosen).
+The tag is matched whole, so task 12 never picks up task 120's lines. Celery's own line
+about the run quotes the outcome (``raised expected: TaskFailed('Class#ID ...')``): the
+label must follow a space or start the line, so only the bridge's line counts, never the
+quote (whose reason would end in ``')``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ TAG = re.compile(
 )
 _OUTCOMES = "|".join(re.escape(outcome.value) for outcome in Outcome)
 OUTCOME = re.compile(
-    rf"(?<!\S)[\w\\]*#(?P<id>\d+): (?P<outcome>{_OUTCOMES})(?:: (?P<reason>.*?))?"
+    rf"(?<!\S)[\w\\]*#(?P<id>\d+)(?: \[[\w-]+\])?: (?P<outcome>{_OUTCOMES})(?:: (?P<reason>.*?))?"
     rf"(?: \(due again in -?\d+ s\))? \[task=(?P=id) "
 )
 

@@ -23,6 +23,7 @@ from bridge.assembly import build_registry, build_runtime
 from bridge.cli import bulk, history, tasks
 from bridge.cli import demo as embedded
 from bridge.cli import doctor as checks
+from bridge.cli.canary import canary
 from bridge.cli.execute import execute_tasks as run_selected
 from bridge.cli.service_errors import ServiceErrorsGroup, broker_problem
 from bridge.cli.watch import watch
@@ -514,6 +515,8 @@ def install_extension(phorge_root: Path, check: bool) -> None:
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
 
+
+main.add_command(canary)
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ from bridge.engine.run import (
     Ended,
     PendingOutcome,
     RunReport,
+    choose,
     prepare,
     retry_wait,
     run_cleared,
@@ -33,6 +34,7 @@ from bridge.queue import Lease, Outcome, Task
 from bridge.queue.model import Leased
 from bridge.queue.session import (
     Write,
+    fell_back,
     handed_back,
     permanent_failure,
     success,
@@ -59,14 +61,20 @@ class StagedOutcome:
         wait = None
         match result.outcome:
             case Outcome.SUCCESS:
-                write = None if result.followups else success(lease, result.duration_us)
+                write = (
+                    None
+                    if result.followups
+                    else success(lease, result.duration_us, pending.archived_as)
+                )
             case Outcome.PERMANENT_FAILURE:
-                write = permanent_failure(lease)
+                write = permanent_failure(lease, pending.archived_as)
             case Outcome.YIELD:
                 wait = result.delay or 0
                 write = yielded(lease, wait)
             case Outcome.HANDED_BACK:
                 write = handed_back(lease)
+            case Outcome.FALLBACK:
+                write = fell_back(lease)
             case _:
                 assert pending.ctx is not None
                 wait = retry_wait(rt, pending.ctx, result.delay)
@@ -76,12 +84,14 @@ class StagedOutcome:
     def write_alone(self, rt: Runtime) -> bool:
         session, lease, result = rt.queue.session, self.pending.lease, self.pending.result
         if self.write is None:
-            return session.complete(lease, result.duration_us, result.followups)
+            archived_as = self.pending.archived_as
+            return session.complete(lease, result.duration_us, result.followups, archived_as)
         return session.apply([self.write])[0]
 
     def report(self, written: bool | Exception) -> RunReport:
         """How the run ended, once its outcome's write was tried."""
         result, task_id = self.pending.result, self.pending.lease.task_id
+        implementation = self.pending.implementation
         if isinstance(written, Exception):
             for observer in observers():
                 observer.outcome_unwritten(self.item, result)
@@ -92,14 +102,14 @@ class StagedOutcome:
                 written,
                 exc_info=None if isinstance(written, DatabaseUnavailable) else written,
             )
-            return RunReport(Outcome.UNREPORTED, f"{result.outcome} not written: {written}")
+            unwritten = f"{result.outcome} not written: {written}"
+            return RunReport(Outcome.UNREPORTED, unwritten, implementation=implementation)
         if not written:
-            return RunReport(
-                Outcome.LEASE_LOST, f"{result.outcome} not written: the lease was lost"
-            )
+            lost = f"{result.outcome} not written: the lease was lost"
+            return RunReport(Outcome.LEASE_LOST, lost, implementation=implementation)
         if result.outcome is Outcome.PERMANENT_FAILURE:
             log.warning("task %d failed permanently: %s", task_id, result.reason)
-        return RunReport(result.outcome, result.reason, self.wait, result.error)
+        return RunReport(result.outcome, result.reason, self.wait, result.error, implementation)
 
 
 class Batch:
@@ -118,6 +128,8 @@ class Batch:
         self.rt, self.owner, self.traceparent = rt, owner, traceparent
         self.staged: list[StagedOutcome] = []  # outcomes waiting for their round trip
         self.reports: list[tuple[Leased, RunReport, str]] = []  # and each one's line
+        self.canary = rt.canary.current()  # the weights in force, read once a message
+        self.chosen: dict[int, Handler] = {}  # the handler each checked task got
 
     def run(self, items: Sequence[Leased], budget: float | None = None) -> list[Leased]:
         """Run ``items``; once ``budget`` seconds have passed, or once the database refuses
@@ -159,21 +171,21 @@ class Batch:
         return []
 
     def handler_of(self, item: Leased) -> Handler | None:
-        return self.rt.registry.handler_for(item.task_class) if item.task_class else None
+        """The handler ``item`` got when it was checked; before, the one it should get
+        (under a canary, as if its row never failed: the check may send it to PHP)."""
+        chosen = self.chosen.get(item.id)
+        if chosen is not None or not item.task_class:
+            return chosen
+        return choose(self.rt.registry, self.canary, item.task_class, item.id, None).handler
 
     def group(self, items: Sequence[Leased], index: int) -> Sequence[Leased]:
         """The tasks from ``index`` on that run in one handler call: the consecutive ones
         a handler with a call for several serves, up to its ``batch_limit``; else one."""
-        registry = self.rt.registry
         handler = self.handler_of(items[index])
         end = index + 1
         if handler is not None and runs_together(handler):
             limit = min(len(items), index + batch_limit(handler))
-            while (
-                end < limit
-                and (cls := items[end].task_class)
-                and (registry.handler_for(cls) is handler)
-            ):
+            while end < limit and self.handler_of(items[end]) is handler:
                 end += 1
         return items[index:end]
 
@@ -197,18 +209,18 @@ class Batch:
         cleared: list[tuple[Leased, ClearedTask]] = []
         for item, lease, task in zip(group, leases, checked, strict=True):
             with traced(self.trace(item)):
-                prepared = prepare(self.rt, lease, task, self.traceparent)
+                prepared = prepare(self.rt, lease, task, self.traceparent, self.canary)
                 if isinstance(prepared, ClearedTask):
+                    self.chosen[item.id] = prepared.handler
                     cleared.append((item, prepared))
                 else:
                     self.stage(item, prepared)
-        if not cleared:
-            return
-        with traced(self.trace(cleared[0][0])):
-            runs = run_cleared(self.rt, [task for _, task in cleared])
-        for (item, _), ended in zip(cleared, runs, strict=True):
-            with traced(self.trace(item)):
-                self.stage(item, ended)
+        for calls in handler_calls(cleared):
+            with traced(self.trace(calls[0][0])):
+                runs = run_cleared(self.rt, [task for _, task in calls])
+            for (item, _), ended in zip(calls, runs, strict=True):
+                with traced(self.trace(item)):
+                    self.stage(item, ended)
 
     def stage(self, item: Leased, ended: Ended) -> None:
         """Report a run that has nothing to write; stage an outcome to write (a success
@@ -301,9 +313,10 @@ class Batch:
                 self.report(outcome.item, outcome.report(result))
 
     def report(self, item: Leased, report: RunReport) -> None:
-        """Log how a task's run ended (under its trace) and tell the observers."""
+        """Log how a task's run ended (under its trace) and tell the observers; a fallback
+        at WARNING (the new side failed it, and the line says who takes it)."""
         line = report.describe(item.label)
-        log.info("%s", line)
+        log.log(logging.WARNING if report.outcome is Outcome.FALLBACK else logging.INFO, "%s", line)
         self.reports.append((item, report, line))
         for observer in observers():
             observer.run_ended(item, report)
@@ -313,6 +326,23 @@ class Batch:
         if self.staged:
             staged, self.staged = self.staged, []
             self.report_writes(staged, self.write(staged))
+
+
+def handler_calls(
+    cleared: Sequence[tuple[Leased, ClearedTask]],
+) -> list[list[tuple[Leased, ClearedTask]]]:
+    """Cleared tasks cut into handler calls: consecutive ones of one handler that runs
+    several in one call (``runs_together``) share one, every other task has its own. A
+    group is made before its check, which may send a task elsewhere (a canary's row
+    that fell back goes to PHP), so the handler each one actually got decides."""
+    calls: list[list[tuple[Leased, ClearedTask]]] = []
+    for entry in cleared:
+        handler = entry[1].handler
+        if calls and calls[-1][0][1].handler is handler and runs_together(handler):
+            calls[-1].append(entry)
+        else:
+            calls.append([entry])
+    return calls
 
 
 def run_task(

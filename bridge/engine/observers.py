@@ -23,12 +23,17 @@ class RunObserver:
     def run_started(self, lease: Lease) -> None:
         """The run's check is done and the handler is about to be looked up."""
 
-    def handler_returned(self, task_class: str, wall_seconds: float, result: HandlerResult) -> None:
+    def handler_returned(
+        self, task_class: str, wall_seconds: float, result: HandlerResult, implementation: str
+    ) -> None:
         """A handler call ended: its wall time here (a call for several tasks: each one's
-        share) and what it reported (``result.duration_us``: the run time archived)."""
+        share), what it reported (``result.duration_us``: the run time archived; a new
+        side's failure as the fallback written instead) and what ran it (``native``,
+        ``runner`` or ``conduit``)."""
 
     def run_ended(self, item: Leased, report: RunReport) -> None:
-        """The run's outcome was written (or why none was is known)."""
+        """The run's outcome was written (or why none was is known); ``report.
+        implementation`` names who ran it."""
 
     def outcome_unwritten(self, item: Leased, result: HandlerResult) -> None:
         """The database did not take an outcome (the run ends unreported)."""

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from bridge.canary.weights import BRIDGE, SCALE, Canary
 from bridge.engine.context import Runtime
 from bridge.engine.pace import SPREAD, WINDOW, Pace, in_flight_target
 from bridge.engine.standby import standby_seconds
@@ -104,8 +105,33 @@ def plan(rt: Runtime, elsewhere: RunsElsewhere | None = None) -> dict[str, list[
     return by_queue
 
 
+def bridge_shares(
+    canary: Canary, by_queue: dict[str, list[str]]
+) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """``by_queue`` without the classes the canary gives wholly to phd (bridge weight 0),
+    and the bridge's weight (basis points) of each class it shares with phd: the poll
+    leases only the rows of those that never failed and whose bucket is below it."""
+    kept: dict[str, list[str]] = {}
+    shares: dict[str, int] = {}
+    for queue, classes in by_queue.items():
+        ours = []
+        for task_class in classes:
+            weight = canary.weight(task_class, BRIDGE)
+            if weight <= 0:
+                continue
+            if weight < SCALE:
+                shares[task_class] = weight
+            ours.append(task_class)
+        if ours:
+            kept[queue] = ours
+    return kept, shares
+
+
 def poll_once(rt: Runtime, send: Send, elsewhere: RunsElsewhere | None = None) -> int:
-    """One poll; returns how many tasks were dispatched (0 when another poll is running)."""
+    """One poll; returns how many tasks were dispatched (0 when another poll is running).
+
+    Under a gray migration (``rt.canary``), a class is leased only for the bridge's share
+    of it (:func:`bridge_shares`); without one, the statements are exactly as before."""
     settings = rt.settings
     with rt.queue.poll_lock(settings.owner_prefix) as now:
         if now is None:
@@ -113,15 +139,18 @@ def poll_once(rt: Runtime, send: Send, elsewhere: RunsElsewhere | None = None) -
         if not rt.writes.is_open and not rt.writes.wait_open(0):
             return 0  # one probe a poll while writes are refused: nothing to lease
         by_queue = plan(rt, elsewhere)
+        canary = rt.canary.current()
+        shares: dict[str, int] = {}
+        if canary.weights or canary.state.levels:
+            by_queue, shares = bridge_shares(canary, by_queue)
         served = [c for classes in by_queue.values() for c in classes]
         # An idle queue (the usual case between bursts) skips the capacity count.
         in_flight = rt.queue.in_flight_by_class(settings.owner_prefix, served) if served else {}
         sent = 0
         for queue, classes in by_queue.items():
             try:
-                sent += fill(
-                    rt, send, queue, [in_flight[c] for c in classes if c in in_flight], classes, now
-                )
+                held = [in_flight[c] for c in classes if c in in_flight]
+                sent += fill(rt, send, queue, held, classes, now, shares)
             except WritesRefused as exc:
                 rt.writes.refused(exc)  # logged once; each poll probes until it ends
                 return sent
@@ -129,9 +158,16 @@ def poll_once(rt: Runtime, send: Send, elsewhere: RunsElsewhere | None = None) -
 
 
 def fill(
-    rt: Runtime, send: Send, queue: str, leases: list[InFlight], classes: list[str], now: int
+    rt: Runtime,
+    send: Send,
+    queue: str,
+    leases: list[InFlight],
+    classes: list[str],
+    now: int,
+    shares: dict[str, int] | None = None,
 ) -> int:
-    """Lease and send what ``queue`` may take now (see :mod:`bridge.engine.pace`).
+    """Lease and send what ``queue`` may take now (see :mod:`bridge.engine.pace`);
+    ``shares``: the bridge's weights of classes it shares with phd (:func:`bridge_shares`).
 
     A queue at its pace still takes rows more urgent than every lease it holds (the
     urgent lane: as many as it has busy slots, a message each), so a mail is not left
@@ -157,6 +193,7 @@ def fill(
         settings.inline_data_max,
         now=now,
         priority_below=max(h.worst_priority for h in leases) if urgent else None,
+        shares=shares,
     )
     if not tasks:
         return 0

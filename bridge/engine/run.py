@@ -10,34 +10,49 @@ nothing left to write (:class:`RunReport`, what callers are told). Writing is th
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from bridge.canary.weights import BRIDGE, FALLBACK, NATIVE, PHD, SCALE, Canary, labelled
 from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
 from bridge.handlers.api import Handler, TaskContext
-from bridge.handlers.capabilities import BatchHandler, availability_of
+from bridge.handlers.capabilities import BatchHandler, availability_of, implementation_of
 from bridge.handlers.outcome import HandlerResult, clear, run_handler, run_handlers
+from bridge.handlers.registry import Registry
 from bridge.queue import Lease, Outcome, Task
+from bridge.queue.model import MAX_NAME
+
+log = logging.getLogger(__name__)
+
+PHDS_SHARE = "canary: phd's share"  # the reason a row the weights give to phd goes back
+FAILED = (Outcome.FAILURE, Outcome.PERMANENT_FAILURE)  # what a new-side run falls back on
 
 
 @dataclass(frozen=True)
 class RunReport:
     """How one execution ended: the outcome written (or why none was), the handler's
     reason and, for a failure or a yield, the seconds until the task is due again; for a
-    failure, what the handler raised (``HandlerResult.error``)."""
+    failure, what the handler raised (``HandlerResult.error``); the implementation that
+    ran it, as its archive row names it (``native``, ``runner``, ``conduit``, with
+    ``-fallback`` for the old side's run of a row the new side failed), None when no
+    handler was chosen."""
 
     outcome: Outcome
     reason: str = ""
     wait: int | None = None
     error: Exception | None = None
+    implementation: str | None = None
 
     def describe(self, label: str) -> str:
-        """One line, the same in the worker log, Flower and ``phorge-bridge execute``."""
-        text = f"{label}: {self.outcome}"
+        """One line, the same in the worker log, Flower and ``phorge-bridge execute``:
+        ``Class#id [native]: success``."""
+        ran_by = f" [{self.implementation}]" if self.implementation else ""
+        text = f"{label}{ran_by}: {self.outcome}"
         if self.reason:
             text += f": {self.reason}"
         if self.wait is not None:
@@ -48,16 +63,97 @@ class RunReport:
 @dataclass(frozen=True)
 class PendingOutcome:
     """A run whose outcome is ready to be written under its lease, which runs out at
-    ``expires`` (monotonic time): a refused write is tried again until then."""
+    ``expires`` (monotonic time): a refused write is tried again until then.
+    ``implementation``: who ran it (:class:`RunReport`), which its archive row names."""
 
     lease: Lease
     result: HandlerResult
     expires: float
     ctx: TaskContext | None = None
+    implementation: str | None = None
+
+    @property
+    def archived_as(self) -> str | None:
+        """The owner its archive row gets: the lease's, labelled with who ran it."""
+        return archive_owner(self.lease.owner, self.implementation)
 
 
 # A run that ended before its outcome was written: with one to write, or with none.
 Ended = PendingOutcome | RunReport
+
+
+def archive_owner(owner: str, implementation: str | None) -> str | None:
+    """``owner`` with the implementation after its prefix (``bridge:native:pid:epoch:host:
+    seq``), its host cut if the label would not fit in 64 characters; None (the owner
+    unlabelled) when there is no label, or no room for one even without the host."""
+    if implementation is None or ":" not in owner:
+        return None
+    archived = labelled(owner, implementation)
+    over = len(archived) - MAX_NAME
+    if over <= 0:
+        return archived
+    fields = archived.split(":")
+    if len(fields) < 6 or len(fields[-2]) < over:  # prefix:label:pid:epoch:host:seq
+        return None
+    fields[-2] = fields[-2][: len(fields[-2]) - over]
+    return ":".join(fields)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which handler runs a task under the canary in force. ``fallback_to``: set for a
+    run of the new side of a class shared at some level (``phd`` at the bridge level, the
+    PHP transport at the native level), which takes the task when the run fails.
+    ``phds_share``: the row is no longer the bridge's (its class was rolled back, or its
+    weight lowered): it goes back, for phd."""
+
+    handler: Handler | None
+    fallback_to: str | None = None
+    phds_share: bool = False
+
+
+_UNHONOURED: set[str] = set()  # classes whose native weight this worker cannot honour
+
+
+def choose(
+    registry: Registry, canary: Canary, task_class: str, task_id: int, failure_time: int | None
+) -> Choice:
+    """The handler for a task (``failure_time`` as its row has it; None to predict a
+    message's grouping before its check), by the registry and the new side test at each
+    level (``Canary.takes``): at the bridge level, a row that is phd's is handed back; at
+    the native level, a natively served class runs natively only for the new side's share,
+    else on the PHP transport the class would have without its native handler."""
+    handler = registry.handler_for(task_class)
+    if handler is None or not (canary.weights or canary.state.levels):
+        return Choice(handler)  # no canary: not a cost a task pays
+    fallback_to = None
+    if canary.weight(task_class, BRIDGE) < SCALE:
+        if not canary.takes(BRIDGE, task_class, task_id, failure_time):
+            return Choice(None, phds_share=True)
+        fallback_to = PHD
+    if canary.weight(task_class, NATIVE) < SCALE and registry.native.get(task_class) is handler:
+        php = registry.php_handler_for(task_class)
+        if php is None:
+            if task_class not in _UNHONOURED:
+                _UNHONOURED.add(task_class)
+                log.error(
+                    "canary: %s has a native weight below 100 but no PHP path in this worker "
+                    "(no runner glob, no Conduit): it runs natively here",
+                    task_class,
+                )
+        elif canary.takes(NATIVE, task_class, task_id, failure_time):
+            fallback_to = fallback_to or implementation_of(php)
+        else:
+            handler = php
+    return Choice(handler, fallback_to)
+
+
+def implementation_label(handler: Handler, task: Task) -> str:
+    """Who runs ``task``, as its archive row will say: the handler's implementation, with
+    ``-fallback`` when the row fell back from a new side (``failureTime`` set, yet no
+    failure counted)."""
+    fell_back = task.failure_time is not None and task.failure_count == 0
+    return implementation_of(handler) + (FALLBACK if fell_back else "")
 
 
 def backoff(rt: Runtime, failure_count: int) -> int:
@@ -91,7 +187,8 @@ def context(task: Task, lease: Lease, traceparent: str | None = None) -> TaskCon
 @dataclass(frozen=True)
 class ClearedTask:
     """A checked task cleared to run: its handler and context, the lease seconds it has
-    left and the seconds its run may keep the lease renewed."""
+    left and the seconds its run may keep the lease renewed; who runs it (its archive
+    label) and, for a new-side run of a shared class, who takes it should it fail."""
 
     lease: Lease
     label: str
@@ -99,6 +196,8 @@ class ClearedTask:
     ctx: TaskContext
     remaining: int
     budget: int
+    implementation: str = ""
+    fallback_to: str | None = None
 
 
 def prepare(
@@ -106,33 +205,42 @@ def prepare(
     lease: Lease,
     task: Task | None,
     traceparent: str | None = None,
+    canary: Canary | None = None,
 ) -> Ended | ClearedTask:
     """Everything before a task's run that its check found (``task``, None when the lease
-    no longer held): ended already (an :data:`Ended`) or cleared to run."""
+    no longer held): ended already (an :data:`Ended`) or cleared to run. ``canary``: the
+    weights the caller read for its batch (else read now)."""
     for observer in observers():
         observer.run_started(lease)
     if task is None:
         return RunReport(Outcome.LEASE_LOST, "the lease was no longer held before the run")
-    handler = rt.registry.handler_for(task.task_class)
+    canary = rt.canary.current() if canary is None else canary
+    choice = choose(rt.registry, canary, task.task_class, task.id, task.failure_time)
+    remaining = (task.lease_expires or 0) - (task.server_time or 0)
+    if choice.phds_share:
+        # Rolled back, or its weight lowered, since the poll: phd's daemon takes it.
+        back = HandlerResult(Outcome.HANDED_BACK, reason=PHDS_SHARE)
+        return PendingOutcome(lease, back, time.monotonic() + remaining)
+    handler = choice.handler
     if handler is None:
         # Configuration changed since the poll: give the row back to whoever can run it.
         rt.queue.free_own([task.id], lease.owner)
         return RunReport(Outcome.NOT_SERVED, "no handler serves this class here; lease handed back")
-    remaining = (task.lease_expires or 0) - (task.server_time or 0)
+    implementation = implementation_label(handler, task)
     availability = availability_of(handler)
     if availability is not None and not availability.allow():
         # Its transport is down in this worker (PHP cannot boot, Conduit is unreachable):
         # the row goes back at once, for a worker that can run it, not into a yield that
         # would hold it for 5 s and starve the fleet's pace (issue 31).
         back = HandlerResult(Outcome.HANDED_BACK, reason=f"held back: {availability.reason}")
-        return PendingOutcome(lease, back, time.monotonic() + remaining)
+        return PendingOutcome(lease, back, time.monotonic() + remaining, None, implementation)
     if task.data_error:
         failed = HandlerResult(Outcome.PERMANENT_FAILURE, reason=task.data_error)
-        return PendingOutcome(lease, failed, time.monotonic() + remaining)
+        return PendingOutcome(lease, failed, time.monotonic() + remaining, None, implementation)
     ctx = context(task, lease, traceparent)
     cleared = clear(handler, ctx)
     if isinstance(cleared, HandlerResult):
-        return PendingOutcome(lease, cleared, time.monotonic() + remaining)
+        return PendingOutcome(lease, cleared, time.monotonic() + remaining, None, implementation)
     required = cleared.required_lease
     if required is not None:  # as PHP's setLeaseDuration(): set, shorter or longer
         claimed = rt.queue.session.renew(lease, required)
@@ -140,12 +248,26 @@ def prepare(
             observer.lease_renewed("renewed" if claimed else "lost")
         if not claimed:
             return RunReport(
-                Outcome.LEASE_LOST, "the lease was lost while claiming the required lease"
+                Outcome.LEASE_LOST,
+                "the lease was lost while claiming the required lease",
+                implementation=implementation,
             )
         remaining = required
+    budget = required or rt.settings.default_lease
     return ClearedTask(
-        lease, task.label, handler, ctx, remaining, required or rt.settings.default_lease
+        lease, task.label, handler, ctx, remaining, budget, implementation, choice.fallback_to
     )
+
+
+def fallback(cleared: ClearedTask, result: HandlerResult) -> HandlerResult:
+    """A new-side run's failure, temporary or permanent, as the fallback written instead
+    (the row goes to the old side; nothing counted, nothing archived); any other result
+    as it is."""
+    if cleared.fallback_to is None or result.outcome not in FAILED:
+        return result
+    taker = f"{cleared.fallback_to} takes it"
+    reason = f"{result.reason}; {taker}" if result.reason else taker
+    return replace(result, outcome=Outcome.FALLBACK, reason=reason, delay=None, followups=())
 
 
 def run_cleared(rt: Runtime, group: Sequence[ClearedTask]) -> list[Ended]:
@@ -164,12 +286,19 @@ def run_cleared(rt: Runtime, group: Sequence[ClearedTask]) -> list[Ended]:
             assert isinstance(handler, BatchHandler)
             results = run_handlers(handler, [r.ctx for r in group])
     share = (time.perf_counter() - started) / len(group)
+    implementation = implementation_of(handler)
     ended: list[Ended] = []
     for cleared, result, watch in zip(group, results, watches, strict=True):
+        result = fallback(cleared, result)
         for observer in observers():
-            observer.handler_returned(cleared.ctx.task_class, share, result)
+            observer.handler_returned(cleared.ctx.task_class, share, result, implementation)
         if watch.lost:
-            ended.append(RunReport(Outcome.LEASE_LOST, "the lease expired while the handler ran"))
+            lost = "the lease expired while the handler ran"
+            ended.append(RunReport(Outcome.LEASE_LOST, lost, implementation=cleared.implementation))
         else:
-            ended.append(PendingOutcome(cleared.lease, result, watch.expires, cleared.ctx))
+            ended.append(
+                PendingOutcome(
+                    cleared.lease, result, watch.expires, cleared.ctx, cleared.implementation
+                )
+            )
     return ended

@@ -15,9 +15,16 @@ from collections.abc import Sequence
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.availability import Availability
 
+# Who runs a task, as its archive row, its metrics and its log line name it.
+NATIVE, RUNNER, CONDUIT = "native", "runner", "conduit"
+
 
 class TransportHandler(Handler):
     """A handler with a transport's capabilities."""
+
+    # What runs the work: Python here (``native``), PHP in the runner (``runner``) or
+    # PHP behind Conduit (``conduit``).
+    implementation: str = NATIVE
 
     # Whether the place the work runs can take it now: while it is down, the handler's
     # tasks are handed back and its classes left to workers whose transport is up.
@@ -57,6 +64,12 @@ def run_each(handler: Handler, tasks: Sequence[TaskContext]) -> list[Exception |
 
 def availability_of(handler: Handler) -> Availability | None:
     return handler.availability if isinstance(handler, TransportHandler) else None
+
+
+def implementation_of(handler: Handler) -> str:
+    """:data:`NATIVE`, :data:`RUNNER` or :data:`CONDUIT`: what runs ``handler``'s work
+    (every handler that is not a transport's is native, the feed hook included)."""
+    return handler.implementation if isinstance(handler, TransportHandler) else NATIVE
 
 
 def is_available(handler: Handler) -> bool:

@@ -8,7 +8,7 @@ Include/exclude globs narrow them all. ``bridge.assembly`` fills it from the set
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -95,6 +95,7 @@ class Registry:
         self.include = tuple(include)
         self.exclude = tuple(exclude)
         self._served: dict[str, Handler | None] = {}  # handler_for's answers, per class
+        self._php: dict[str, Handler | None] = {}  # php_handler_for's
 
     def allowed(self, task_class: str) -> bool:
         return allowed(task_class, self.include, self.exclude)
@@ -122,6 +123,17 @@ class Registry:
             }
             served = None if transport is None else handlers[transport]
             return self._served.setdefault(task_class, served)
+
+    def php_handler_for(self, task_class: str) -> Handler | None:
+        """What would serve a class without its native handler: the PHP runner when the
+        class matches its globs, else the Conduit proxy, else None (no PHP path here). A
+        gray migration's native level runs the old side's share with it."""
+        try:
+            return self._php[task_class]
+        except KeyError:
+            transport = replace(self.coverage(), native=()).transport_for(task_class)
+            handler = {RUNNER: self.runner, PROXY: self.fallback}.get(transport or "")
+            return self._php.setdefault(task_class, handler)
 
     def handlers(self) -> list[Handler]:
         """Every handler that may serve a class, each once (the runner, then the fallback,

@@ -18,6 +18,7 @@ from functools import cache
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from bridge.canary.weights import FALLBACK
 from bridge.engine.observers import RunObserver, observe
 from bridge.engine.run import RunReport
 from bridge.handlers.outcome import HandlerResult
@@ -39,8 +40,10 @@ TASKS_PER_MESSAGE = Histogram(
 )
 OUTCOMES = Counter(
     "phorge_bridge_outcomes_total",
-    "Task runs by outcome (success, failure, permanent-failure, yield, lease-lost, unreported)",
-    ["task_class", "outcome"],
+    "Task runs by outcome (success, failure, permanent-failure, yield, fallback, handed-back, "
+    "lease-lost, not-served, unreported) and implementation (native, runner, conduit; none "
+    "when no handler was chosen)",
+    ["task_class", "outcome", "implementation"],
 )
 UNWRITTEN = Counter(
     "phorge_bridge_outcome_write_failures_total",
@@ -49,8 +52,9 @@ UNWRITTEN = Counter(
 )
 DURATION = Histogram(
     "phorge_bridge_task_duration_seconds",
-    "Run time of the work, as archived (PHP's own for proxied tasks)",
-    ["task_class"],
+    "Run time of the work, as archived (PHP's own for proxied tasks), by implementation "
+    "(native, runner, conduit)",
+    ["task_class", "implementation"],
 )
 WALL_TIME = Histogram(
     "phorge_bridge_run_wall_seconds",
@@ -78,17 +82,30 @@ WRITES_REFUSED = Gauge(
 )
 
 
-@cache
-def outcome_counter(task_class: str, outcome: str) -> Counter:
-    """:data:`OUTCOMES`' child for one class and outcome, looked up once: a run counts
-    its outcome on every task, and ``labels()`` costs more than the increment."""
-    return OUTCOMES.labels(task_class=task_class, outcome=outcome)
+NO_IMPLEMENTATION = "none"  # the implementation label of a run no handler was chosen for
 
 
 @cache
-def run_timers(task_class: str) -> tuple[Histogram, Histogram]:
-    """:data:`WALL_TIME`' and :data:`DURATION`'s children for one class, looked up once."""
-    return WALL_TIME.labels(task_class=task_class), DURATION.labels(task_class=task_class)
+def outcome_counter(task_class: str, outcome: str, implementation: str) -> Counter:
+    """:data:`OUTCOMES`' child for one class, outcome and implementation, looked up once:
+    a run counts its outcome on every task, and ``labels()`` costs more than the
+    increment."""
+    return OUTCOMES.labels(task_class=task_class, outcome=outcome, implementation=implementation)
+
+
+@cache
+def run_timers(task_class: str, implementation: str) -> tuple[Histogram, Histogram]:
+    """:data:`WALL_TIME`' and :data:`DURATION`'s children for one class (and, for the
+    duration, implementation), looked up once."""
+    duration = DURATION.labels(task_class=task_class, implementation=implementation)
+    return WALL_TIME.labels(task_class=task_class), duration
+
+
+@cache
+def implementation_label(ran_by: str | None) -> str:
+    """The ``implementation`` label of a run: ``native``, ``runner`` or ``conduit`` (a
+    fallback row's old-side run counts as its implementation's)."""
+    return NO_IMPLEMENTATION if ran_by is None else ran_by.removesuffix(FALLBACK)
 
 
 def forget_children() -> None:
@@ -100,13 +117,16 @@ def forget_children() -> None:
 class RunMetrics(RunObserver):
     """The engine's events in the metrics above."""
 
-    def handler_returned(self, task_class: str, wall_seconds: float, result: HandlerResult) -> None:
-        wall_time, duration = run_timers(task_class)
+    def handler_returned(
+        self, task_class: str, wall_seconds: float, result: HandlerResult, implementation: str
+    ) -> None:
+        wall_time, duration = run_timers(task_class, implementation)
         wall_time.observe(wall_seconds)
         duration.observe(result.duration_us / 1e6)
 
     def run_ended(self, item: Leased, report: RunReport) -> None:
-        outcome_counter(item.task_class or "unknown", report.outcome.value).inc()
+        implementation = implementation_label(report.implementation)
+        outcome_counter(item.task_class or "unknown", report.outcome.value, implementation).inc()
 
     def outcome_unwritten(self, item: Leased, result: HandlerResult) -> None:
         UNWRITTEN.labels(item.task_class or "unknown", result.outcome.value).inc()

@@ -1,9 +1,12 @@
 """Install and check the PHP extension (``worker.execute``, ``worker.feedstory``) in Phorge.
 
-Phorge includes every ``.php`` file of ``src/extensions/`` at startup, so installing is a
-copy of the extension's files: the Conduit methods and the task run they share with the
-PHP runner. "Current" means the installed bytes equal the ones shipped in this package;
-one digest stands for them all (``worker.version`` computes the same in PHP).
+Phorge includes every ``.php`` file of ``src/extensions/`` at startup (and adds their
+classes to its class map, so ``bin/phd`` and ``bin/config`` find them), so installing is
+a copy of the extension's files: the Conduit methods and the task run they share with the
+PHP runner; the gray migration's taskmaster daemon (``PhorgeBridgeQueueDaemon``),
+its config options and the canary weights they share. "Current" means the installed bytes
+equal the ones shipped in this package; one digest stands for them all (``worker.version``
+computes the same in PHP).
 """
 
 from __future__ import annotations
@@ -21,15 +24,28 @@ from bridge.errors import BridgeError, PhorgeRootError
 
 EXTENSION_FILENAME = "PhorgeBridgeConduitAPIMethods.php"
 TASK_RUN_FILENAME = "PhorgeBridgeTaskRun.php"
-# In the order of the digest; the shared file is written first, so a Phorge process
-# starting during an install never includes methods without the run they require.
-EXTENSION_FILES = (EXTENSION_FILENAME, TASK_RUN_FILENAME)
+DAEMON_FILENAME = "PhorgeBridgeQueueDaemon.php"
+CONFIG_OPTIONS_FILENAME = "PhorgeBridgeCanaryConfigOptions.php"
+CANARY_FILENAME = "PhorgeBridgeCanary.php"
+# In the order of the digest (``getExtensionHash()`` lists them alike). Installed in the
+# reverse order: the shared files (the canary weights, the task run) first, so a Phorge
+# process starting during an install never includes a file without the one it requires.
+EXTENSION_FILES = (
+    EXTENSION_FILENAME,
+    DAEMON_FILENAME,
+    CONFIG_OPTIONS_FILENAME,
+    TASK_RUN_FILENAME,
+    CANARY_FILENAME,
+)
 RUNNER_FILENAME = "phorge-bridge-runner.php"
 # Where each PHP file lies in this package (package data): with the transport it serves,
-# the task run they share one level up.
+# the files shared by several (or by phd) one level up.
 SHIPPED_IN = {
     EXTENSION_FILENAME: "bridge.transports.conduit",
+    DAEMON_FILENAME: "bridge.transports",
+    CONFIG_OPTIONS_FILENAME: "bridge.transports",
     TASK_RUN_FILENAME: "bridge.transports",
+    CANARY_FILENAME: "bridge.transports",
     RUNNER_FILENAME: "bridge.transports.php_runner",
 }
 EXTENSIONS_DIR = Path("src") / "extensions"

@@ -5,6 +5,7 @@ Everything else the bridge says to the database is portable SQLAlchemy Core.
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, Integer, create_engine, event, text
@@ -59,6 +60,38 @@ def _sqlite_owner_epoch(element: owner_epoch, compiler: SQLCompiler, **kw: Any) 
 def _mysql_owner_epoch(element: owner_epoch, compiler: SQLCompiler, **kw: Any) -> str:
     owner = compiler.process(element.clauses, **kw)
     return f"CAST(SUBSTRING_INDEX(SUBSTRING_INDEX({owner}, ':', -3), ':', 1) AS UNSIGNED)"
+
+
+BUCKETS = 10_000  # a gray migration's buckets (``bridge.canary.weights.SCALE``)
+
+
+class bridge_bucket(FunctionElement[int]):
+    """A task id's bucket at the gray migration's ``bridge`` level, 0 to 9999:
+    ``CRC32(CONCAT('bridge:', id)) % 10000``, as PHP's ``crc32()`` and Python's
+    ``zlib.crc32`` (``bridge.canary.weights.bucket``) compute it. SQLite gets ``crc32``
+    as a Python function, registered on connect.
+    """
+
+    type = Integer()
+    inherit_cache = True
+
+
+@compiles(bridge_bucket)
+def _sqlite_bridge_bucket(element: bridge_bucket, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"(crc32('bridge:' || {compiler.process(element.clauses, **kw)}) % {BUCKETS})"
+
+
+@compiles(bridge_bucket, "mysql")
+@compiles(bridge_bucket, "mariadb")
+def _mysql_bridge_bucket(element: bridge_bucket, compiler: SQLCompiler, **kw: Any) -> str:
+    # MOD(), not %: the driver's paramstyle would want the percent sign doubled.
+    task_id = compiler.process(element.clauses, **kw)
+    return f"MOD(CRC32(CONCAT('bridge:', {task_id})), {BUCKETS})"
+
+
+def _crc32(text: Any) -> int | None:
+    """MySQL's ``CRC32()`` for SQLite: of the UTF-8 bytes, unsigned."""
+    return None if text is None else zlib.crc32(str(text).encode())
 
 
 # Phorge's LiskDAO counter statement (IDS_COUNTER), generalised from +1 to +:n so a
@@ -134,6 +167,7 @@ def _sqlite_pragmas(dbapi_connection: sqlite3.Connection, _record: ConnectionPoo
 
     dbapi_connection.isolation_level = None
     dbapi_connection.create_function("owner_epoch", 1, lease_epoch, deterministic=True)
+    dbapi_connection.create_function("crc32", 1, _crc32, deterministic=True)
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA busy_timeout=30000")

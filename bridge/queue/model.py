@@ -29,6 +29,10 @@ MIN_YIELD_SECONDS = 5  # executeTask: max($ex->getDuration(), 5)
 MAX_NAME = 64  # varchar(64) of taskClass and leaseOwner
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
+# What a bridge lease owner keeps free for the implementation its archive row names
+# (``prefix:label:pid:epoch:host:seq``): ``:conduit-fallback``, the longest label
+# (``bridge.canary.weights.LABEL_ROOM``, which this layer cannot import).
+LABEL_ROOM = len(":conduit-fallback")
 
 
 class Outcome(StrEnum):
@@ -44,6 +48,9 @@ class Outcome(StrEnum):
     # its Conduit breaker is open): the lease was handed back at once, nothing counted.
     HANDED_BACK = "handed-back"
     UNREPORTED = "unreported"  # the database stayed unreachable: the lease will expire
+    # A gray migration's new side failed (temporarily or for good): the row went back to
+    # the old side (owner NULL, failureTime now), its failure count unchanged.
+    FALLBACK = "fallback"
 
 
 class Lease(NamedTuple):
@@ -129,12 +136,14 @@ def new_owner(prefix: str, epoch: int) -> str:
     """A lease owner unique to this call, shaped like PHP's ``pid:time:host:sequence``.
 
     ``epoch`` is the database's clock: it is compared with ``failureTime``
-    (``PhorgeQueue.new_owner`` reads it).
+    (``PhorgeQueue.new_owner`` reads it). The host name is cut so that the owner keeps
+    :data:`LABEL_ROOM` free for the label its archive row adds, when the prefix allows.
     """
     tail = f":{os.getpid()}:{epoch}:{{host}}:{next(_owner_sequence)}"
     room = MAX_NAME - len(prefix) - len(tail) + len("{host}")
     if room < 1:
         raise ValueError(f"owner prefix {prefix!r} is too long")
+    room = max(1, room - LABEL_ROOM)
     # Only the host name is cut: the pid, time and sequence keep the owner unique.
     return check_owner(prefix + tail.format(host=socket.gethostname()[:room]))
 

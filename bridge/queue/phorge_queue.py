@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -91,6 +91,27 @@ class RangeSizes:
         return self._known[name][1] if name in self._known else 0.0
 
 
+@contextmanager
+def named_lock(engine: Engine, name: str) -> Iterator[int | None]:
+    """Hold the lock ``name`` for the block; yields the database time, or None when
+    another process holds it (MySQL's ``GET_LOCK``, per server, so per database name
+    too). SQLite, the single-process embedded default, has no such lock, and needs none.
+    """
+    with engine.connect() as conn:
+        if not is_mysql(engine):
+            yield int(conn.execute(sql.server_time()).scalar_one())
+            return
+        key = lock_key(engine, name)
+        got, now = conn.execute(sql.get_lock(key)).one()
+        if not got:
+            yield None
+            return
+        try:
+            yield int(now)
+        finally:
+            conn.execute(sql.release_lock(key))
+
+
 class PhorgeQueue:
     """The worker queue of one Phorge install (one ``{namespace}_worker`` database)."""
 
@@ -137,25 +158,9 @@ class PhorgeQueue:
 
         return retrying("transaction", attempt, self.attempts)
 
-    @contextmanager
-    def poll_lock(self, name: str) -> Iterator[int | None]:
-        """Hold the poll lock ``name`` for the block; yields the database time, or None
-        when another poll holds it (MySQL's ``GET_LOCK``, per server, so per database
-        name too). SQLite, the single-process embedded default, has no such lock.
-        """
-        with self.engine.connect() as conn:
-            if not is_mysql(self.engine):
-                yield int(conn.execute(sql.server_time()).scalar_one())
-                return
-            key = lock_key(self.engine, name)
-            got, now = conn.execute(sql.get_lock(key)).one()
-            if not got:
-                yield None
-                return
-            try:
-                yield int(now)
-            finally:
-                conn.execute(sql.release_lock(key))
+    def poll_lock(self, name: str) -> AbstractContextManager[int | None]:
+        """Hold the poll lock ``name`` for the block (:func:`named_lock`)."""
+        return named_lock(self.engine, name)
 
     def server_time(self) -> int:
         with self.engine.connect() as conn:
@@ -251,14 +256,17 @@ class PhorgeQueue:
         *,
         now: int | None = None,
         priority_below: int | None = None,
+        shares: Mapping[str, int] | None = None,
     ) -> tuple[str, list[Leased]]:
         """The poll's lease: as :meth:`lease` with ``expired_first``, returning the owner
         and the rows as their messages carry them, data undecoded and only up to
         ``inline_max`` bytes (the worker decodes it, or reads a larger one, when it checks
         the lease). ``now``: the database's clock, when the poll has just read it.
-        ``priority_below``: only rows with a smaller priority number (the urgent lane)."""
+        ``priority_below``: only rows with a smaller priority number (the urgent lane).
+        ``shares``: classes shared with phd in a gray migration, with the bridge's weight
+        (basis points): only the bridge's share of their rows (``sql.LeaseFilter``)."""
         owner = self.new_owner(owner_prefix, now)
-        where = sql.LeaseFilter(classes, priority_below=priority_below)
+        where = sql.LeaseFilter(classes, priority_below=priority_below, shares=shares or {})
         if not self._take(limit, owner, seconds, where, expired_first=True):
             return owner, []
         with self.engine.connect() as conn:
@@ -345,8 +353,15 @@ class PhorgeQueue:
 
     # -- follow-ups: the rare per-task outcome that needs SQLAlchemy --------------------
 
-    def _complete_with(self, lease: Lease, duration_us: int, followups: Sequence[NewTask]) -> bool:
-        """Archive with result 0 and enqueue follow-ups, in one SQLAlchemy transaction."""
+    def _complete_with(
+        self,
+        lease: Lease,
+        duration_us: int,
+        followups: Sequence[NewTask],
+        archived_as: str | None = None,
+    ) -> bool:
+        """Archive with result 0 (the archive row's owner ``archived_as``, else the
+        lease's) and enqueue follow-ups, in one SQLAlchemy transaction."""
         # Checked before anything is written; the priority is the parent's, known later.
         for followup in followups:
             followup.validated()
@@ -355,10 +370,17 @@ class PhorgeQueue:
             "owner": lease.owner,
             "failure_count": lease.failure_count,
         }
+        archive_owner = archived_as or lease.owner
 
         def work(conn: Connection) -> bool:
             archived = conn.execute(
-                sql.ARCHIVE, {**fence, "result": RESULT_SUCCESS, "duration": duration_us}
+                sql.ARCHIVE,
+                {
+                    **fence,
+                    "archive_owner": archive_owner,
+                    "result": RESULT_SUCCESS,
+                    "duration": duration_us,
+                },
             )
             if archived.rowcount != 1:
                 return False

@@ -1,14 +1,21 @@
-"""Phorge's four worker-queue tables as SQLAlchemy Core, column for column.
+"""Phorge's four worker-queue tables as SQLAlchemy Core, column for column, and its
+config table.
 
 These mirror ``SHOW CREATE TABLE`` of a real install (``tests/reference/
-phorge-worker-schema.sql``): unsigned ints, nullability, key names, utf8mb4 with the
-binary collation. The bridge never alters them; ``create_all`` is only for tests and
-the embedded SQLite default. ``daemon_log`` is the one table outside the worker database
-that the bridge reads (doctor), with only the columns it reads; it is never created.
+phorge-worker-schema.sql``, ``phorge-config-schema.sql``): unsigned ints, nullability,
+key names, utf8mb4 with the binary collation. The bridge never alters them;
+``create_all`` is only for tests and the embedded SQLite default.
+
+Two tables live outside the worker database. ``config_entry`` (``{namespace}_config``)
+holds the gray migration's weights and state (``bridge.canary``): it is in ``metadata``
+so that SQLite and the tests' databases get it beside the queue, and
+:func:`config_entry_in` addresses Phorge's own copy. ``daemon_log`` is read by doctor,
+with only the columns it reads; it is never created.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any, TypedDict, cast
 
 from sqlalchemy import (
@@ -22,6 +29,7 @@ from sqlalchemy import (
     Table,
     Text,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Dialect
@@ -48,6 +56,7 @@ _MYSQL_TABLE: _MySQLTableOptions = {
 
 UInt = Integer().with_variant(mysql.INTEGER(unsigned=True), "mysql", "mariadb")
 UBigInt = BigInteger().with_variant(mysql.BIGINT(unsigned=True), "mysql", "mariadb")
+Bool = Integer().with_variant(mysql.TINYINT(1), "mysql", "mariadb")  # Lisk's 'bool'
 LongText = Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
 
 
@@ -139,6 +148,40 @@ lisk_counter = Table(
     Column("counterValue", UBigInt, nullable=False),
     **_MYSQL_TABLE,
 )
+
+
+config_entry = Table(
+    "config_entry",
+    metadata,
+    Column("id", UInt, primary_key=True, autoincrement=True),
+    Column("phid", PHID, nullable=False),
+    Column("namespace", String(64), nullable=False),
+    Column("configKey", String(64), nullable=False),
+    Column("value", LongText, nullable=False),
+    Column("isDeleted", Bool, nullable=False),
+    Column("dateCreated", UInt, nullable=False),
+    Column("dateModified", UInt, nullable=False),
+    UniqueConstraint("phid", name="key_phid"),
+    UniqueConstraint("namespace", "configKey", name="key_name"),
+    sqlite_autoincrement=True,
+    **_MYSQL_TABLE,
+)
+"""Phorge's ``{namespace}_config.config_entry`` (PhabricatorConfigEntry): one row per
+option set with ``bin/config set --database``, its value JSON."""
+
+# The worker database's own tables, those ``tests/reference/phorge-worker-schema.sql``
+# and doctor's table check compare, by name.
+WORKER_TABLES = (lisk_counter, worker_activetask, worker_archivetask, worker_taskdata)
+
+
+@cache
+def config_entry_in(database: str | None) -> Table:
+    """``config_entry`` in ``database`` (schema-qualified, as ``{namespace}_config``
+    beside the worker database), or the one in ``metadata`` when None (the same database:
+    SQLite, the tests' databases)."""
+    if database is None:
+        return config_entry
+    return config_entry.to_metadata(MetaData(), schema=database)
 
 
 def daemon_log(database: str) -> Table:

@@ -71,9 +71,13 @@ class Write(NamedTuple):
         return cls([(statement, values)], confirm=None if confirm is None else (confirm, values))
 
     @classmethod
-    def archiving(cls, lease: Lease, result: int, duration_us: int) -> Write:
-        """The archive insert (locking the active row) and the active row's delete."""
-        fence = _fence(lease)
+    def archiving(
+        cls, lease: Lease, result: int, duration_us: int, archived_as: str | None = None
+    ) -> Write:
+        """The archive insert (locking the active row) and the active row's delete; the
+        archive row's owner is ``archived_as`` (the lease's owner labelled with the
+        implementation that ran it), else the lease's."""
+        fence = {**_fence(lease), "archive_owner": archived_as or lease.owner}
         return cls(
             [
                 (sql.ARCHIVE, {**fence, "result": result, "duration": duration_us}),
@@ -291,30 +295,38 @@ class LeaseSession:
         renewal = Write.guarded(sql.RENEW_LEASE, {**_fence(lease), "seconds": seconds})
         return self.apply([renewal])[0]
 
-    def complete(self, lease: Lease, duration_us: int, followups: Sequence[NewTask] = ()) -> bool:
-        """Archive with result 0, with the follow-ups in the same transaction."""
+    def complete(
+        self,
+        lease: Lease,
+        duration_us: int,
+        followups: Sequence[NewTask] = (),
+        archived_as: str | None = None,
+    ) -> bool:
+        """Archive with result 0 (the archive row's owner ``archived_as``, see
+        :func:`success`), with the follow-ups in the same transaction."""
         if followups:
             check_seconds("duration", duration_us, maximum=MAX_UINT64)
             # A fence found gone may be this very write's, its COMMIT lost with its
             # connection: the row tells (a read on the rare lost-lease path only).
-            return self._write_followups(lease, duration_us, followups) or self.written(
-                success(lease, duration_us)
-            )
-        return self.apply([success(lease, duration_us)])[0]
+            return self._write_followups(
+                lease, duration_us, followups, archived_as=archived_as
+            ) or self.written(success(lease, duration_us, archived_as))
+        return self.apply([success(lease, duration_us, archived_as)])[0]
 
 
 # -- outcomes, as writes that LeaseSession.apply sends alone or together --------------
 
 
-def success(lease: Lease, duration_us: int) -> Write:
-    """Archive with result 0 (a success without follow-ups)."""
+def success(lease: Lease, duration_us: int, archived_as: str | None = None) -> Write:
+    """Archive with result 0 (a success without follow-ups); the archive row's owner is
+    ``archived_as`` when given (the owner labelled with who ran it), else the lease's."""
     check_seconds("duration", duration_us, maximum=MAX_UINT64)
-    return Write.archiving(lease, RESULT_SUCCESS, duration_us)
+    return Write.archiving(lease, RESULT_SUCCESS, duration_us, archived_as)
 
 
-def permanent_failure(lease: Lease) -> Write:
-    """Archive with result 1 and duration 0."""
-    return Write.archiving(lease, RESULT_FAILURE, 0)
+def permanent_failure(lease: Lease, archived_as: str | None = None) -> Write:
+    """Archive with result 1 and duration 0 (``archived_as``: see :func:`success`)."""
+    return Write.archiving(lease, RESULT_FAILURE, 0, archived_as)
 
 
 def temporary_failure(lease: Lease, wait: int) -> Write:
@@ -338,6 +350,13 @@ def handed_back(lease: Lease) -> Write:
     """Give the lease back at once, no failure counted: the task did not run here (its
     transport is down in this worker) and is due for another worker now."""
     return Write.guarded(sql.HAND_BACK, _fence(lease), sql.HANDED_BACK_FROM)
+
+
+def fell_back(lease: Lease) -> Write:
+    """A gray migration's fallback: the new side failed this run, so the row goes to the
+    old side, due at once (owner and expiry NULL, ``failureTime`` now), its failure count
+    unchanged (``statements.FALL_BACK``)."""
+    return Write.guarded(sql.FALL_BACK, _fence(lease), sql.FELL_BACK_FROM)
 
 
 def _fences_held(writes: Sequence[Write], counts: Sequence[int]) -> list[bool]:

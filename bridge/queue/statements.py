@@ -8,8 +8,9 @@ statement here never decides anything from a value read earlier.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import (
@@ -44,7 +45,7 @@ from sqlalchemy import (
     update,
 )
 
-from bridge.queue.dialect import db_now, owner_epoch
+from bridge.queue.dialect import bridge_bucket, db_now, owner_epoch
 from bridge.queue.model import (
     RESULT_CANCELLED,
     YIELD_OWNER,
@@ -75,7 +76,13 @@ COPIED_COLUMNS = (
 @dataclass(frozen=True)
 class LeaseFilter:
     """Which rows a lease may take: by class (in or out), by id (``withIDs``) and by
-    priority (only those more urgent than ``priority_below``, the poller's urgent lane)."""
+    priority (only those more urgent than ``priority_below``, the poller's urgent lane).
+
+    ``shares``: classes of ``classes`` the bridge shares with phd in a gray migration,
+    with the bridge's weight (basis points, 0 < w < 10000): of those, only rows that never
+    failed (``failureTime IS NULL``) and whose bucket is below the weight. Without any,
+    the statements are exactly those of a bridge without a canary.
+    """
 
     classes: Sequence[str] | None = None
     exclude_classes: Sequence[str] | None = None
@@ -83,18 +90,43 @@ class LeaseFilter:
     priority_below: int | None = None
     # Classes whose candidates are read through ``taskClass`` (few rows): a cost hint.
     small_classes: frozenset[str] = frozenset()
+    shares: Mapping[str, int] = field(default_factory=dict)
 
     def where(self) -> list[ColumnElement[bool]]:
         where: list[ColumnElement[bool]] = []
         if self.priority_below is not None:
             where.append(active.c.priority < self.priority_below)
         if self.classes is not None:
-            where.append(active.c.taskClass.in_(list(self.classes)))
+            where.append(self._of_classes(list(self.classes)))
         if self.exclude_classes:
             where.append(active.c.taskClass.not_in(list(self.exclude_classes)))
         if self.ids is not None:
             where.append(active.c.id.in_(list(self.ids)))
         return where
+
+    def _of_classes(self, classes: list[str]) -> ColumnElement[bool]:
+        """``taskClass IN (classes)``, the shared ones only for the bridge's share:
+        ``taskClass IN (whole) OR (taskClass IN (shared at w) AND failureTime IS NULL AND
+        bucket < w) OR ...``, one term per weight."""
+        by_weight: dict[int, list[str]] = defaultdict(list)
+        whole = []
+        for name in classes:
+            if name in self.shares:
+                by_weight[self.shares[name]].append(name)
+            else:
+                whole.append(name)
+        if not by_weight:
+            return active.c.taskClass.in_(classes)
+        terms: list[ColumnElement[bool]] = [active.c.taskClass.in_(whole)] if whole else []
+        terms += [
+            and_(
+                active.c.taskClass.in_(names),
+                active.c.failureTime.is_(None),
+                bridge_bucket(active.c.id) < weight,
+            )
+            for weight, names in sorted(by_weight.items())
+        ]
+        return terms[0] if len(terms) == 1 else or_(*terms)
 
 
 # -- enqueue: PhabricatorWorker::scheduleTask -------------------------------------------
@@ -340,7 +372,10 @@ HELD_WITH_DATA = _with_data(HELD)
 ARCHIVE = insert(archive).from_select(
     [*COPIED_COLUMNS, "result", "duration", "dateModified", "archivedEpoch"],
     select(
-        *(active.c[name] for name in COPIED_COLUMNS),
+        *(
+            bindparam("archive_owner", type_=String) if name == "leaseOwner" else active.c[name]
+            for name in COPIED_COLUMNS
+        ),
         bindparam("result", type_=Integer),
         bindparam("duration", type_=BigInteger),
         db_now(),
@@ -351,7 +386,9 @@ ARCHIVE = insert(archive).from_select(
 )
 """archiveTask(), first half: copy the held row, locked, into the archive (result, µs).
 
-One row inserted means the fence held; the lock keeps the row as copied until commit.
+The archive row's leaseOwner is ``archive_owner``: the lease's owner with the label of
+the implementation that ran it (``prefix:label:pid:epoch:host:seq``). One row inserted
+means the fence held; the lock keeps the row as copied until commit.
 """
 
 DELETE_ARCHIVED_ACTIVE = delete(active).where(
@@ -383,6 +420,15 @@ HAND_BACK = (
 )
 """Hand back a lease whose task did not run here: due at once, failureCount unchanged."""
 
+FALL_BACK = (
+    update(active)
+    .where(_FENCE)
+    .values(leaseOwner=None, leaseExpires=None, failureTime=db_now(), dateModified=db_now())
+)
+"""A gray migration's fallback: the new side's run failed, so the row goes to the old side
+(``failureTime`` set makes it the old side's for good) and is due at once; failureCount
+unchanged, so the new side's failure never counts towards the permanent limit."""
+
 YIELD_LEASE = (
     update(active)
     .where(_FENCE)
@@ -400,7 +446,7 @@ YIELD_LEASE = (
 
 ARCHIVED_BY = select(archive.c.id).where(
     archive.c.id == bindparam("task_id", type_=Integer),
-    archive.c.leaseOwner == bindparam("owner", type_=String),
+    archive.c.leaseOwner == bindparam("archive_owner", type_=String),
     archive.c.failureCount == bindparam("failure_count", type_=Integer),
     archive.c.result == bindparam("result", type_=Integer),
 )
@@ -427,6 +473,15 @@ HANDED_BACK_FROM = select(active.c.id).where(
     active.c.failureCount == bindparam("failure_count", type_=Integer),
 )
 """The active row a hand-back left (no owner, the failure count unchanged)."""
+
+FELL_BACK_FROM = select(active.c.id).where(
+    active.c.id == bindparam("task_id", type_=Integer),
+    active.c.leaseOwner.is_(None),
+    active.c.failureCount == bindparam("failure_count", type_=Integer),
+    active.c.failureTime.is_not(None),
+)
+"""The active row a fallback left (no owner, a failureTime, the failure count unchanged):
+the new side's rows have none, so a hand-back or a free is not taken for it."""
 
 
 def count_in_flight_by_class(

@@ -9,10 +9,19 @@ from celery import Celery
 
 def install(app: Celery) -> None:
     """Register the bridge's tasks, signals and worker options on ``app``."""
-    from bridge.runtime import lifecycle, liveness, poller, quiet_polls, standby, tasks
+    from bridge.runtime import (
+        canary_guard,
+        lifecycle,
+        liveness,
+        poller,
+        quiet_polls,
+        standby,
+        tasks,
+    )
 
     tasks.install(app)
     poller.install(app)
+    canary_guard.install(app)
     quiet_polls.install()
     lifecycle.install(app)
     liveness.install(app)

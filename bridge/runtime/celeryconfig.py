@@ -48,8 +48,11 @@ task_queues = [
     for name in (_settings.control_queue, *_settings.router.queues)
 ]
 task_default_queue = _settings.router.default_queue
-task_routes = {"bridge.poll": {"queue": _settings.control_queue}}
-# The schedule is one interval: nothing worth a file, so beat keeps it in memory and
+task_routes = {
+    "bridge.poll": {"queue": _settings.control_queue},
+    "bridge.canary_guard": {"queue": _settings.control_queue},
+}
+# The schedule is two intervals: nothing worth a file, so beat keeps it in memory and
 # leaves no celerybeat-schedule behind.
 beat_scheduler = "bridge.runtime.beat:PollScheduler"
 beat_schedule = {
@@ -61,7 +64,14 @@ beat_schedule = {
         # broker keeps, not Celery's `expires`, which compares the beat host's clock with
         # the worker's. Redis ignores it: there a stale poll costs one poll.
         "options": {"expiration": 10 * _settings.poll_interval},
-    }
+    },
+    # The gray migration's guard (bridge.canary.guard): one read of the weights while no
+    # class is shared. Sent, like the polls, only by the beat holding the beat lock.
+    "canary-guard": {
+        "task": "bridge.canary_guard",
+        "schedule": _settings.canary_guard_interval,
+        "options": {"expiration": 10 * _settings.canary_guard_interval},
+    },
 }
 
 worker_send_task_events = _settings.task_events

@@ -22,10 +22,12 @@ from celery.signals import (
 )
 from celery.worker import state
 
-from bridge.assembly import runtime
+from bridge.assembly import check_canary, runtime
 from bridge.config import current_settings
 from bridge.engine.tracing import tag_log_lines
+from bridge.errors import ConfigError
 from bridge.handlers.capabilities import TransportHandler
+from bridge.metrics.canary import CanaryCollector
 from bridge.metrics.exporter import (
     MULTIPROC_DIR,
     ProcessesCollector,
@@ -54,6 +56,20 @@ def count_in_children(**_kwargs: object) -> None:
         log.debug("metrics: the pool's processes count in %s", directory)
 
 
+def check_canary_at_start(**_kwargs: object) -> None:
+    """A worker whose canary weights are bad, or name a share it cannot run (a native
+    weight below 100 for a class it has no PHP path for), stops at start, naming
+    ``phorge-bridge.canary`` and the class, as a bad setting does. A database it cannot
+    read yet does not stop it: the weights are read again before each task."""
+    try:
+        check_canary(runtime())
+    except ConfigError as exc:
+        # A receiver's exception is only logged by Celery's signals; an exit is not.
+        raise SystemExit(f"Error: configuration error: {exc}") from None
+    except Exception as exc:
+        log.warning("canary: the weights could not be checked at start: %s", exc)
+
+
 def share_conduit_slots(**_kwargs: object) -> None:
     """Make the worker's Conduit request slots before its pool forks, so that the bound
     is the worker's, not each child's."""
@@ -76,6 +92,7 @@ def start_metrics(app: Celery) -> None:
             ProcessesCollector(os.environ[MULTIPROC_DIR]),  # set by count_in_children
             queue_figures,
             ConsumersCollector(watch),
+            CanaryCollector.for_settings(rt.queue.engine, settings),
         )
         try:
             port = serve(ports, address, *collectors)
@@ -167,6 +184,8 @@ def install(app: Celery) -> None:
     worker_init.connect(share_conduit_slots, weak=False)
     worker_ready.connect(lambda **_: start_metrics(app), weak=False)
     worker_shutting_down.connect(hand_back_leases, weak=False)
+    # After the metrics' switch to counting across processes: the check builds the runtime.
+    worker_init.connect(check_canary_at_start, weak=False)
     worker_init.connect(start_transports_of_worker, weak=False)
     worker_process_init.connect(lambda **_: start_transports(1), weak=False)
     worker_process_shutdown.connect(stop_transports, weak=False)

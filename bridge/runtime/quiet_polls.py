@@ -1,4 +1,5 @@
-"""``bridge.poll`` out of Flower's sight and out of beat's and the worker's log at INFO.
+"""``bridge.poll`` (and ``bridge.canary_guard``, beside it) out of Flower's sight and out
+of beat's and the worker's log at INFO.
 
 Beat sends a poll every poll interval, 14,400 an hour at 0.25 s: as tasks they filled
 Flower's list and its counts (Flower counts messages, not Phorge's tasks), beat logged a
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task
 
-from bridge.runtime.tasks import POLL_TASK
+from bridge.runtime.tasks import GUARD_TASK, POLL_TASK
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult
@@ -51,22 +52,25 @@ class QuietTask(BaseTask):
         return super().apply_async(*args, **options)
 
 
-def names_a_poll(args: object) -> bool:
-    """Whether a line's arguments name the poll task: the worker's lines have a mapping
+QUIET_TASKS = (POLL_TASK, GUARD_TASK)  # sent several times a second, by beat
+
+
+def names_a_quiet_task(args: object) -> bool:
+    """Whether a line's arguments name a quiet task: the worker's lines have a mapping
     with the task's name, beat's a tuple of the entry's name and its task."""
     if isinstance(args, Mapping):
-        return args.get("name") == POLL_TASK
-    return isinstance(args, tuple) and POLL_TASK in args
+        return args.get("name") in QUIET_TASKS
+    return isinstance(args, tuple) and any(task in args for task in QUIET_TASKS)
 
 
-class QuietPollLines(logging.Filter):
-    """Drops Celery's INFO lines about a poll; lines at other levels pass."""
+class QuietLines(logging.Filter):
+    """Drops Celery's INFO lines about a poll or a guard run; other levels pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno != logging.INFO or not names_a_poll(record.args)
+        return record.levelno != logging.INFO or not names_a_quiet_task(record.args)
 
 
-QUIET = QuietPollLines()
+QUIET = QuietLines()
 
 
 def install() -> None:

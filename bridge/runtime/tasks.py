@@ -23,7 +23,7 @@ from celery.signals import task_postrun, task_prerun
 
 from bridge.assembly import runtime
 from bridge.engine.batch import Batch
-from bridge.engine.run import RunReport
+from bridge.engine.run import PHDS_SHARE, RunReport
 from bridge.engine.tracing import (
     TRACEPARENT_HEADER,
     TaskTrace,
@@ -52,6 +52,7 @@ from bridge.runtime.dispatch import (
 )
 
 POLL_TASK = "bridge.poll"
+GUARD_TASK = "bridge.canary_guard"  # bridge.runtime.canary_guard
 
 NOT_DONE: dict[Outcome, type[TaskNotDone]] = {
     Outcome.FAILURE: TaskFailed,
@@ -60,7 +61,8 @@ NOT_DONE: dict[Outcome, type[TaskNotDone]] = {
     Outcome.NOT_SERVED: TaskNotServed,
     Outcome.UNREPORTED: OutcomeUnreported,
 }
-BATCH_DONE = (Outcome.SUCCESS, Outcome.YIELD, Outcome.HANDED_BACK)
+# A fallback is done too: the task goes on with the gray migration's old side.
+BATCH_DONE = (Outcome.SUCCESS, Outcome.YIELD, Outcome.HANDED_BACK, Outcome.FALLBACK)
 # Celery cuts a result's text at 1 KB in its log line and events; a batch's names each
 # of its tasks and the messages it sent some on in.
 BATCH_RESULT_MAX = 16384
@@ -87,9 +89,11 @@ def execute_task(
 ) -> str:
     """Run Phorge task ``task_id`` under its dispatch lease (``data``: its JSON, when small).
 
-    Returns ``'Class#id: success'``, or for a yield what :func:`yielded` says; any other
-    outcome raises (:func:`not_done`), so Celery's state is RETRY or FAILURE with the
-    reason.
+    Returns ``'Class#id [native]: success'`` (the implementation that ran it in
+    brackets), for a yield what :func:`yielded` says, for a gray migration's fallback
+    its line (the old side takes the task: ``'Class#id [native]: fallback: reason; runner
+    takes it'``); any other outcome raises (:func:`not_done`), so Celery's state is
+    RETRY or FAILURE with the reason.
     ``repoll`` marks the middle of a full dispatch: once it has run, half the queue's
     capacity is free again, so the poller is asked to fill it now, not at the next beat.
     """
@@ -102,8 +106,8 @@ def execute_task(
         if repoll:
             ask_for_poll(self.app)
     _, report, line = batch.reports[0]
-    if report.outcome is Outcome.SUCCESS:
-        return line
+    if report.outcome in (Outcome.SUCCESS, Outcome.FALLBACK) or report.reason == PHDS_SHARE:
+        return line  # (phd's share runs in phd, not in a message)
     if report.outcome in (Outcome.YIELD, Outcome.HANDED_BACK):
         return yielded(line, item)
     not_done(line, [report], NOT_DONE[report.outcome](line))

@@ -30,6 +30,8 @@ from benchkit.procs import BenchError
 from benchkit.report import Report, Result
 
 DDL = REPO / "tests" / "reference" / "phorge-worker-schema.sql"
+CONFIG_DDL = REPO / "tests" / "reference" / "phorge-config-schema.sql"
+CANARY_WEIGHT = 9999  # basis points: the bridge's share of the canary scenario's class
 STARTED = time.monotonic()
 
 
@@ -114,6 +116,10 @@ class Bench:
 
     def measure(self, s: Scenario, result: Result) -> None:
         phorgedb.truncate(self.conn)
+        shared = s.settings == "canary"
+        weights = {s.workload.task_class: {"bridge": CANARY_WEIGHT / 100}} if shared else None
+        phorgedb.set_canary(self.conn, CONFIG_DDL, weights)
+        self.runner.phds_share = CANARY_WEIGHT if shared else None
         php = s.kind.startswith("php-")
         workload = s.workload
         if workload.task_class == phorge.SEARCH_CLASS and self.phorge:
@@ -182,7 +188,9 @@ def main(tuned: dict[str, str], argv: list[str] | None = None) -> int:
     notes = [
         f"machine CPU busy in the 3 s before the bench: {procs.busy_share(3.0):.0%}.",
         "MariaDB: private, durable (innodb_flush_log_at_trx_commit=1, doublewrite on).",
-        f"bridge *default*: only the two URLs; *tuned*: plus {settings}. Each run: `celery -A "
+        f"bridge *default*: only the two URLs; *tuned*: plus {settings}; *canary*: default, "
+        "its class shared with phd at 99.99% (`phorge-bridge.canary`; the bench archives "
+        "phd's share itself). Each run: `celery -A "
         "bridge beat` plus ONE `celery -A bridge worker -Q bridge.control,phorge`; the PHP "
         "section's ONE `worker -B`. Each consumer is warmed up with a small batch first.",
     ]

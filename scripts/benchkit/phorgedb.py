@@ -3,9 +3,10 @@ connection, whose *session* status it subtracts from the *global* one: the consu
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import MySQLdb
@@ -36,6 +37,7 @@ class Batch:
     first: int
     last: int
     committed: float  # time.time() right after COMMIT returned
+    phds: frozenset[int] = frozenset()  # run by the phd stand-in (``run_phds_share``)
 
     @property
     def size(self) -> int:
@@ -56,6 +58,48 @@ def create_tables(conn: MySQLdb.Connection, ddl: Path) -> None:
     text = "\n".join(line for line in lines if not line.lstrip().startswith("--"))
     for statement in filter(str.strip, text.split(";")):
         cur.execute(statement)
+
+
+CONFIG = "phabricator_config.config_entry"  # beside phabricator_worker, as in Phorge
+
+
+def set_canary(conn: MySQLdb.Connection, ddl: Path, weights: dict[str, object] | None) -> None:
+    """Phorge's config table with the gray migration's weights (``phorge-bridge.canary``),
+    or without them."""
+    cur = conn.cursor()
+    cur.execute("CREATE DATABASE IF NOT EXISTS phabricator_config")
+    cur.execute(f"DROP TABLE IF EXISTS {CONFIG}")
+    table = ddl.read_text().split("CREATE TABLE `config_entry`", 1)[1].split(";")[0]
+    cur.execute(f"CREATE TABLE {CONFIG} {table}")
+    if weights:
+        cur.execute(
+            f"INSERT INTO {CONFIG} (phid, namespace, configKey, value, isDeleted, dateCreated,"
+            " dateModified) VALUES ('PHID-CONF-benchkitbenchkitbenc', 'default',"
+            " 'phorge-bridge.canary', %s, 0, UNIX_TIMESTAMP(), UNIX_TIMESTAMP())",
+            (json.dumps(weights),),
+        )
+
+
+def run_phds_share(conn: MySQLdb.Connection, batch: Batch, weight: int) -> Batch:
+    """What the shipped daemon would take of ``batch`` at a bridge weight of ``weight``
+    basis points (its rows whose bucket is not below it), archived at once as if phd had
+    run them: the bench measures the bridge's share only."""
+    theirs = f"id BETWEEN %s AND %s AND MOD(CRC32(CONCAT('bridge:', id)), 10000) >= {weight}"
+    cur = conn.cursor()
+    cur.execute("START TRANSACTION")
+    cur.execute(f"SELECT id FROM worker_activetask WHERE {theirs}", (batch.first, batch.last))
+    phds = frozenset(int(row[0]) for row in cur.fetchall())
+    cur.execute(
+        "INSERT INTO worker_archivetask (id, taskClass, leaseOwner, leaseExpires, failureCount,"
+        " dataID, priority, objectPHID, containerPHID, dateCreated, dateModified, result,"
+        " duration, archivedEpoch) SELECT id, taskClass, 'phd:0:0:bench:0', leaseExpires,"
+        " failureCount, dataID, priority, objectPHID, containerPHID, dateCreated,"
+        f" UNIX_TIMESTAMP(), 0, 1, UNIX_TIMESTAMP() FROM worker_activetask WHERE {theirs}",
+        (batch.first, batch.last),
+    )
+    cur.execute(f"DELETE FROM worker_activetask WHERE {theirs}", (batch.first, batch.last))
+    cur.execute("COMMIT")
+    return replace(batch, phds=phds)
 
 
 def truncate(conn: MySQLdb.Connection) -> None:

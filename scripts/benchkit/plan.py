@@ -1,6 +1,7 @@
 """Which scenarios a run measures, named for ``--only``'s globs: ``ceiling-*``,
-``taskmaster|phd-<workload>-p<N>``, ``bridge-<default|tuned>-<workload>-<c|t><N>`` (prefork
-or threads); with a Phorge checkout, ``php-phd-<w>-p<N>``, ``php-runner|conduit-<w>``."""
+``taskmaster|phd-<workload>-p<N>``, ``bridge-<default|tuned|canary>-<workload>-<c|t><N>``
+(prefork or threads; *canary*: its class shared with phd at 99.99%); with a Phorge
+checkout, ``php-phd-<w>-p<N>``, ``php-runner|conduit-<w>``."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class Scenario:
     workload: Workload
     tasks: int
     light: int = 0  # light-load latency samples
-    settings: str = "default"  # bridge: default or tuned
+    settings: str = "default"  # bridge: default, tuned, or canary (default, its class shared)
     pool: str = "prefork"
     concurrency: int = 1  # bridge: -c; taskmaster, phd: processes
 
@@ -62,6 +63,8 @@ def build(quick: bool, with_phd: bool, only: list[str]) -> list[Scenario]:
     bridges += [("default", "c", c, SLEEP10, sleep10) for c in ((4,) if quick else (4, 16))]
     bridges += [("default", "t", t, IO50, io50) for t in ((16,) if quick else (16, 32))]
     bridges += [("tuned", "c", tuned, NOOP, noop)]
+    # Issue 28's cost of the weights: beside bridge-default-noop-c2, its class shared.
+    bridges += [("canary", "c", 2, NOOP, noop)]
     for settings, letter, c, w, tasks in bridges:
         sampled = w == NOOP and letter == "c" and c == (tuned if settings == "tuned" else first)
         pool = "threads" if letter == "t" else "prefork"

@@ -108,7 +108,16 @@ class Runner:
 
     def __init__(self, conn: MySQLdb.Connection, db_pid: int) -> None:
         self.conn, self.db_pid = conn, db_pid
+        self.phds_share: int | None = None  # the bridge's weight while a canary is set
         self.offset = phorgedb.others_since(phorgedb.status(conn), phorgedb.status(conn), {})
+
+    def enqueue(self, count: int, data: str | tuple[str, ...], task_class: str) -> Batch:
+        """``count`` tasks; under a canary (``phds_share``: the bridge's weight), phd's
+        share of them run by the bench as the shipped daemon would."""
+        batch = phorgedb.enqueue(self.conn, count, data, task_class=task_class)
+        if self.phds_share is None:
+            return batch
+        return phorgedb.run_phds_share(self.conn, batch, self.phds_share)
 
     def wait_archived(self, consumer: Consumer, batch: Batch, every: float) -> tuple[float, float]:
         """When the bench first saw the batch being worked on, and all archived."""
@@ -129,7 +138,7 @@ class Runner:
 
     def ran(self, consumer: Consumer, batch: Batch) -> tuple[list[Record], list[Record]]:
         """All records, once every task of the batch has one; and the batch's runs."""
-        directory, ids, found = consumer.records, set(batch.ids()), []
+        directory, ids, found = consumer.records, set(batch.ids()) - batch.phds, []
         assert directory
 
         def complete() -> bool:
@@ -141,7 +150,7 @@ class Runner:
 
     def warm_up(self, consumer: Consumer, workload: Workload, count: int) -> None:
         """A small batch first: proves the consumer works, and warms its processes."""
-        batch = phorgedb.enqueue(self.conn, count, workload.payload, task_class=workload.task_class)
+        batch = self.enqueue(count, workload.payload, workload.task_class)
         self.wait_archived(consumer, batch, 0.01)
         if consumer.records:
             self.ran(consumer, batch)
@@ -153,7 +162,7 @@ class Runner:
         pauses = random.Random(samples)
         for _ in range(samples):
             time.sleep(pauses.uniform(0, consumer.cycle))
-            batch = phorgedb.enqueue(self.conn, 1, workload.data_json)
+            batch = self.enqueue(1, workload.data_json, workload.task_class)
             _, done = self.wait_archived(consumer, batch, 0.005)
             if consumer.records:
                 (run,) = self.ran(consumer, batch)[1]
@@ -171,7 +180,7 @@ class Runner:
         """All ``count`` tasks in one transaction; the run's figures once all are archived."""
         consumer.check()
         before, since = self.sample(consumer), time.time()
-        batch = phorgedb.enqueue(self.conn, count, workload.payload, task_class=workload.task_class)
+        batch = self.enqueue(count, workload.payload, workload.task_class)
         consumer.released()
         first, end = self.wait_archived(consumer, batch, 0.05 if consumer.records else 0.01)
         records, runs = self.ran(consumer, batch) if consumer.records else ([], [])

@@ -28,7 +28,7 @@ def test_a_backlog_runs_in_batches_each_task_once_with_its_own_log_line(
     batched = re.findall(r"bridge\.execute_batch\[[-0-9a-f]+\] succeeded in .*'(\d+) task", log)
     assert max(map(int, batched)) >= 200 // 32
     for task_id in ids:
-        assert f"RecordedA#{task_id}: success [task={task_id} " in log
+        assert f"RecordedA#{task_id} [native]: success [task={task_id} " in log
 
 
 def test_slow_tasks_of_a_batch_are_sent_on_to_other_processes(make_bridge, database_url, amqp_url):
@@ -54,5 +54,6 @@ def test_slow_tasks_of_a_batch_are_sent_on_to_other_processes(make_bridge, datab
     assert len(sent_on) == SLOW_TASKS // 2
     for message_id, task_id in sent_on:
         assert re.search(
-            rf"bridge\.execute\[{message_id}\] succeeded in \S+ 'RecordedA#{task_id}: ", log
+            rf"bridge\.execute\[{message_id}\] succeeded in \S+ 'RecordedA#{task_id} \[native\]: ",
+            log,
         )

@@ -537,7 +537,7 @@ def test_a_success_after_the_lease_was_taken_away_enqueues_nothing(proxy):
     assert row.leaseOwner.startswith("bridge:")  # archived under the bridge's second lease
     lost, won = proxy.fake.calls_of(task_id)
     assert won.time - lost.time >= STEAL_FOR
-    assert f"ProxyStolen#{task_id}: lease-lost" in logs_of(proxy)
+    assert f"ProxyStolen#{task_id} [conduit]: lease-lost" in logs_of(proxy)
 
     wait_for_sample(proxy, task_id, (1, 2))
     samples = assert_enqueued_with_the_archive(proxy, task_id)
@@ -593,7 +593,7 @@ def test_an_html_error_page_holds_the_task_back_without_a_failure(proxy, name, l
     row = assert_retried_without_a_failure(proxy, name)
     url = proxy.bridge.settings["BRIDGE_CONDUIT_URL"]
     proxy.bridge.wait_until(lambda: logged.format(url=url) in logs_of(proxy), WAIT, logged)
-    assert f"#{row.id}: handed-back: Conduit unavailable" in logs_of(proxy)
+    assert f"#{row.id} [conduit]: handed-back: Conduit unavailable" in logs_of(proxy)
     assert "Conduit is unavailable; PHP-only tasks are held back" in logs_of(proxy)
     assert "color: red" not in logs_of(proxy)  # the excerpt is text, not markup
 

@@ -83,7 +83,9 @@ def test_task_events_show_bridge_execute_with_the_phorge_task_as_argument(event_
     assert {(e["name"], e["queue"]) for e in sent} == {("bridge.execute", bridge.default_queue)}
     assert sorted(e["args"] for e in sent) == sorted(e["args"] for e in received)
     succeeded = one_per_task("task-succeeded", lambda e: e["uuid"] in uuids)
-    assert sorted(e["result"] for e in succeeded) == [f"'{TASK_CLASS}#{i}: success'" for i in ids]
+    assert sorted(e["result"] for e in succeeded) == [
+        f"'{TASK_CLASS}#{i} [native]: success'" for i in ids
+    ]
     # The polls that leased them sent no event: no task-sent to the control queue (beat's
     # and the worker's), and each event of the worker's is about one of these messages.
     assert [e for e in list(log.events) if e.get("queue") == bridge.control_queue] == []
@@ -129,14 +131,16 @@ def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log)
         broken: "task-failed",
         later: "task-succeeded",
     }
-    assert done[ok]["result"] == f"'{TASK_CLASS}#{ok}: success'"
+    assert done[ok]["result"] == f"'{TASK_CLASS}#{ok} [native]: success'"
     assert done[flaky]["exception"] == (
-        f"TaskFailed('{TASK_CLASS}#{flaky}: failure: Temporary failure! (due again in 3600 s)')"
+        f"TaskFailed('{TASK_CLASS}#{flaky} [native]: failure: Temporary failure! "
+        "(due again in 3600 s)')"
     )
     assert done[broken]["exception"] == (
-        f"TaskFailedPermanently('{TASK_CLASS}#{broken}: permanent-failure: Permanent failure!')"
+        f"TaskFailedPermanently('{TASK_CLASS}#{broken} [native]: permanent-failure: "
+        "Permanent failure!')"
     )
-    assert done[later]["result"].startswith(f"'{TASK_CLASS}#{later}: yield (due again in ")
+    assert done[later]["result"].startswith(f"'{TASK_CLASS}#{later} [native]: yield (due again in ")
     assert done[later]["result"].endswith(
         f" s); runs again in a new message: search kwargs:{later}={TASK_CLASS}'"
     )
@@ -149,7 +153,7 @@ def test_celery_states_are_the_outcomes_and_failures_log_no_traceback(event_log)
     worker_log = worker.log()
     assert "Traceback" not in worker_log
     assert f"raised expected: TaskFailedPermanently('{TASK_CLASS}#{broken}" in worker_log
-    assert f"retry: {TASK_CLASS}#{flaky}: failure: Temporary failure! (due" in worker_log
+    assert f"retry: {TASK_CLASS}#{flaky} [native]: failure: Temporary failure! (due" in worker_log
 
 
 def test_one_grep_follows_a_task_from_the_poll_to_its_outcome(make_bridge, database_url, amqp_url):
@@ -170,5 +174,5 @@ def test_one_grep_follows_a_task_from_the_poll_to_its_outcome(make_bridge, datab
     lines = [line for line in worker.log().splitlines() if traceparent in line]
     assert any("dispatched to" in line for line in lines)
     assert any(f"task {task_id} failed permanently: Permanent failure!" in line for line in lines)
-    assert any(f"{TASK_CLASS}#{task_id}: permanent-failure" in line for line in lines)
+    assert any(f"{TASK_CLASS}#{task_id} [native]: permanent-failure" in line for line in lines)
     assert all(tag in line for line in lines)

@@ -171,11 +171,11 @@ def test_a_yield_is_done_in_flower_and_its_result_finds_its_next_run(deployment)
         return found if len(found) == 2 and all(r["state"] == "SUCCESS" for r in found) else None
 
     yielded, next_run = bridge.wait_until(both_runs, 30, "the yield and its next run")
-    assert next_run["result"] == f"'{TASK_CLASS}#{task_id}: success'"
+    assert next_run["result"] == f"'{TASK_CLASS}#{task_id} [native]: success'"
     assert yielded["uuid"] != next_run["uuid"]
     result = ast.literal_eval(yielded["result"])
     # A 1 s yield lasts Phorge's 5 s, and its result says so, as the row does.
-    assert result.startswith(f"{TASK_CLASS}#{task_id}: yield (due again in 5 s); ")
+    assert result.startswith(f"{TASK_CLASS}#{task_id} [native]: yield (due again in 5 s); ")
     # The query the yield's result names is the one that found both.
     assert result.endswith(f"search {query}")
 
@@ -214,7 +214,9 @@ def test_flowers_counts_are_phorges_and_a_failure_shows_the_handlers_traceback(d
 
     [retried, *_] = [r for r in flower.rows(f"kwargs:{flaky[0]}={TASK_CLASS}") if r["retried"]]
     assert retried["state"] == "RETRY"
-    reason = f"{TASK_CLASS}#{flaky[0]}: failure: failing on purpose (1 of 2) (due again in 0 s)"
+    reason = (
+        f"{TASK_CLASS}#{flaky[0]} [native]: failure: failing on purpose (1 of 2) (due again in 0 s)"
+    )
     assert retried["exception"] == f"TaskFailed({reason!r})"
     assert "in fail_on_purpose" in retried["traceback"]
     assert "RuntimeError: failing on purpose (1 of 2)" in retried["traceback"]

@@ -49,7 +49,7 @@ def test_metrics_sum_outcomes_over_children_and_read_the_queue(
 
     url = f"http://127.0.0.1:{port}/metrics"
     outcome = "phorge_bridge_outcomes_total"
-    labels = {"task_class": "PhabricatorTestWorker"}
+    labels = {"task_class": "PhabricatorTestWorker", "implementation": "native"}
 
     def counted() -> dict | None:
         found = samples(url)

@@ -38,6 +38,8 @@ def test_every_dashboard_query_has_data_from_every_worker(
     up = 'up{job="phorge-bridge"} == 1'
     bridge.wait_until(lambda: len(prometheus.query(up)) == 2, 20, "both workers scraped")
     for title, expr in panel_queries():
+        if "phorge_bridge_canary_" in expr:
+            continue  # only a class shared between two sides has them: test_canary.py
         expr = expr.replace("$__rate_interval", RATE_WINDOW)
         bridge.wait_until(lambda e=expr: prometheus.query(e), 20, f"{title!r}: {expr}")
     ran = 'sum by (instance) (phorge_bridge_outcomes_total{task_class="PhabricatorTestWorker"})'

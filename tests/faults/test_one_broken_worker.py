@@ -26,7 +26,7 @@ from bridge.queue.schema import worker_activetask as active
 
 TASKS = 3000
 WAIT = 180.0
-HANDED_BACK = re.compile(r"#\d+: handed-back: held back")
+HANDED_BACK = re.compile(r"#\d+ \[(runner|conduit)\]: handed-back: held back")
 
 
 def drain(bridge, run, task_class: str, count: int) -> float:
@@ -107,7 +107,7 @@ def test_a_worker_whose_php_cannot_start_leaves_the_queue_to_the_healthy_one(
 
     missing.parent.mkdir()
     missing.symlink_to(php)
-    ran_here = re.compile(r"StandinSucceedWorker#\d+: success")
+    ran_here = re.compile(r"StandinSucceedWorker#\d+ \[runner\]: success")
     keep_queueing_until(
         bridge, run, "StandinSucceedWorker", lambda: bool(ran_here.search(broken.log()))
     )

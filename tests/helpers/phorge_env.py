@@ -17,12 +17,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Self
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import phorge_checkout
 import pytest
@@ -32,6 +34,21 @@ from phorge_checkout import NotACheckout, check_checkout
 PHORGE_ROOT = os.environ.get("PHORGE_ROOT")
 # Making accounts through Phorge's classes: shared with the bench (scripts/).
 ACCOUNTS_PHP = Path(phorge_checkout.__file__).with_name("phorge_accounts.php")
+# Reading what Phorge's work left (feed stories, index, mail, the feed hook's body).
+EFFECTS_PHP = Path(__file__).with_name("phorge_effects.php")
+
+# How a helper script that makes accounts or reads effects starts: its arguments (the
+# checkout, a command, one JSON document), Phorge loaded, the PHP that ``with_helper``
+# puts beside it, and the omnipotent viewer.
+HELPER_START = r"""<?php
+$root = $argv[1];
+$command = $argv[2];
+$args = json_decode(isset($argv[3]) ? $argv[3] : '{}', true);
+require_once $root.'/scripts/init/init-script.php';
+require_once $argv[0].'.accounts.php';
+require_once $argv[0].'.effects.php';
+$viewer = PhabricatorUser::getOmnipotentUser();
+"""
 
 # What a web server's rewrite rule does for Phorge, for ``php -S``.
 ROUTER = r"""<?php
@@ -98,10 +115,12 @@ class Phorge:
     @classmethod
     def with_helper(cls, root: Path, work: Path, source: str) -> Self:
         """An instance whose helper script (PHP ``source``) is written into ``work``, with
-        ``scripts/phorge_accounts.php`` beside it as ``helper.php.accounts.php``."""
+        ``scripts/phorge_accounts.php`` beside it as ``helper.php.accounts.php`` and
+        ``tests/helpers/phorge_effects.php`` as ``helper.php.effects.php``."""
         helper = work / "helper.php"
         helper.write_text(source)
         shutil.copyfile(ACCOUNTS_PHP, f"{helper}.accounts.php")
+        shutil.copyfile(EFFECTS_PHP, f"{helper}.effects.php")
         return cls(root, helper)
 
     def helper_command(self, *args: str) -> list[str]:
@@ -157,6 +176,56 @@ def php_server(root: Path, url: str, work: Path) -> Iterator[None]:
         yield
     finally:
         kill(server)
+
+
+class HookReceiver(ThreadingHTTPServer):
+    """A feed hook endpoint (``feed.http-hooks``) on this machine: keeps every POST
+    (path, headers, body), answers 200."""
+
+    def __init__(self) -> None:
+        self.posts: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with receiver.lock:
+                    receiver.posts.append(
+                        {"path": self.path, "headers": dict(self.headers), "body": body.decode()}
+                    )
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    @property
+    def objects(self) -> list[str]:
+        """The ``storyData`` object PHID of every POST, in turn."""
+        with self.lock:
+            bodies = [post["body"] for post in self.posts]
+        return [phid for body in bodies for phid in parse_qs(body).get("storyData[objectPHID]", [])]
+
+
+@contextmanager
+def hook_receiver() -> Iterator[HookReceiver]:
+    """A :class:`HookReceiver`, serving in a thread for the block."""
+    server = HookReceiver()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def worker_database_url(env: dict[str, str]) -> str:

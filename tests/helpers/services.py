@@ -38,6 +38,11 @@ def service_url(variable: str) -> str:
     return url
 
 
+def url_of(engine: sa.Engine) -> str:
+    """``engine``'s URL with its password, as a subprocess or the bridge's settings take it."""
+    return engine.url.render_as_string(hide_password=False)
+
+
 def create_mysql_engine(url: str | sa.URL) -> sa.Engine:
     """An engine on the test MariaDB, connecting as Phorge does."""
     return sa.create_engine(url, connect_args=MYSQL_CONNECT_ARGS, pool_pre_ping=True)

@@ -3,34 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 
 import outcomes
 import pytest
-from click.testing import CliRunner
+from services import url_of
 
-from bridge.cli.main import main
 from bridge.queue import PhorgeQueue
 from bridge.queue.beat_lock import BeatLock, beat_lock_holder
 from bridge.queue.model import RESULT_CANCELLED, TaskFilter
 
 
 @pytest.fixture
-def cli(mysql_engine, monkeypatch):
+def cli(cli_invoke, mysql_engine):
     """Run ``phorge-bridge`` against the test database; returns (invoke, queue)."""
-    url = mysql_engine.url.render_as_string(hide_password=False)
-    for name in os.environ:
-        if name.startswith("BRIDGE_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("BRIDGE_DATABASE_URL", url)
-    runner = CliRunner()
-
-    def invoke(*args: str, code: int = 0) -> str:
-        result = runner.invoke(main, list(args), catch_exceptions=False)
-        assert result.exit_code == code, result.output
-        return result.output
-
-    return invoke, PhorgeQueue.from_url(url)
+    return cli_invoke, PhorgeQueue.from_url(url_of(mysql_engine))
 
 
 def test_enqueue_then_list_shows_the_task_with_its_data(cli):
@@ -199,9 +185,9 @@ def test_execute_runs_tasks_now_in_the_order_given_and_writes_their_outcomes(cli
     broken = queue.enqueue("PhabricatorTestWorker", {"doWork": "fail-permanent"})
     out = invoke("execute", "--id", str(flaky), "--id", str(ok), "--id", str(broken), code=1)
     assert outcome_lines(out) == [
-        f"PhabricatorTestWorker#{flaky}: failure: Temporary failure! (due again in 300 s)",
-        f"PhabricatorTestWorker#{ok}: success",
-        f"PhabricatorTestWorker#{broken}: permanent-failure: Permanent failure!",
+        f"PhabricatorTestWorker#{flaky} [native]: failure: Temporary failure! (due again in 300 s)",
+        f"PhabricatorTestWorker#{ok} [native]: success",
+        f"PhabricatorTestWorker#{broken} [native]: permanent-failure: Permanent failure!",
     ]
     states = {t.id: (t.state.value, t.result, t.failure_count) for t in queue.list()}
     assert states == {
@@ -221,7 +207,7 @@ def test_execute_refuses_archived_tasks_unless_retried_and_successes_unless_repe
     assert "ARCHIVED: already archived" in invoke("execute", "--id", str(task_id))
     assert "SUCCEEDED: already succeeded" in invoke("execute", "--id", str(task_id), "--retry")
     out = invoke("execute", "--id", str(task_id), "--retry", "--repeat")
-    assert out.startswith(f"PhabricatorTestWorker#{task_id}: success")
+    assert out.startswith(f"PhabricatorTestWorker#{task_id} [native]: success")
     assert len(queue.list(TaskFilter(ids=[task_id]))) == 1
 
 
@@ -236,8 +222,8 @@ def test_execute_runs_delayed_and_yielded_tasks_but_not_one_a_worker_holds(cli):
     worker = worker_lease.lease_owner
     out = invoke("execute", "--class", "PhabricatorTestWorker", code=1)
     assert outcome_lines(out)[:2] == [
-        f"PhabricatorTestWorker#{delayed}: success",
-        f"PhabricatorTestWorker#{yielded}: success",
+        f"PhabricatorTestWorker#{delayed} [native]: success",
+        f"PhabricatorTestWorker#{yielded} [native]: success",
     ]
     assert f"PhabricatorTestWorker#{held}: LEASED: a worker holds its lease ({worker})" in out
     assert queue.get(held).lease_owner == worker

@@ -39,6 +39,7 @@ $root = $argv[1];
 $command = $argv[2];
 require_once $root.'/scripts/init/init-script.php';
 require_once $argv[0].'.accounts.php';
+require_once $argv[0].'.effects.php';
 $viewer = PhabricatorUser::getOmnipotentUser();
 
 function bridge_test_rows($min_id) {
@@ -96,18 +97,7 @@ switch ($command) {
       ->setViewer($viewer)
       ->withChronologicalKeys(array($argv[3]))
       ->executeOne();
-    $data = $story->getStoryData();
-    echo http_build_query(
-      array(
-        'storyID' => $data->getID(),
-        'storyType' => $data->getStoryType(),
-        'storyData' => $data->getStoryData(),
-        'storyAuthorPHID' => $data->getAuthorPHID(),
-        'storyText' => $story->renderText(),
-        'epoch' => $data->getEpoch(),
-      ),
-      '',
-      '&');
+    echo phorge_bridge_hook_body($story);
     break;
 }
 """

@@ -197,6 +197,7 @@ def test_taskmasters_count_only_with_a_live_heartbeat_as_phorges_console(phorge,
         ("PhabricatorTaskmasterDaemon", "run", 3 * 3600),  # dead, per Phorge
         ("PhabricatorTaskmasterDaemon", "exit", 10),
         ("PhabricatorTriggerDaemon", "run", 10),
+        ("PhorgeBridgeQueueDaemon", "run", 10),  # the shipped one honours the weights
     )
     _, checks = doctor()
     assert checks["taskmasters"]["status"] == "warn"

@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy import Engine, event, select, update
 
 from bridge import errors
+from bridge.canary.weights import labelled
 from bridge.celery import app
 from bridge.config import load_settings
 from bridge.engine.batch import run_task
@@ -197,7 +198,7 @@ def test_a_short_task_costs_one_commit_its_outcome(rt, inline):
     # on the session's own connection: no pool checkout.
     assert cost.since() == {"commits": 1, "statements": 5, "checkouts": 0}
     [row] = archive_rows(rt, task.id)
-    assert (row.result, row.leaseOwner) == (RESULT_SUCCESS, task.lease_owner)
+    assert (row.result, row.leaseOwner) == (RESULT_SUCCESS, labelled(task.lease_owner, "native"))
     assert active_row(rt, task.id) is None
 
 
@@ -225,7 +226,7 @@ def test_the_celery_task_reports_its_outcome_by_label(rt, monkeypatch):
     task = queue_and_lease(rt, TEST_WORKER)
     monkeypatch.setattr(execute_module, "runtime", lambda: rt)
     result = celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
-    assert result == f"{TEST_WORKER}#{task.id}: success"
+    assert result == f"{TEST_WORKER}#{task.id} [native]: success"
 
 
 def test_the_celery_task_raises_what_celery_records_as_its_state(rt, monkeypatch):
@@ -236,7 +237,7 @@ def test_the_celery_task_raises_what_celery_records_as_its_state(rt, monkeypatch
     label = f"{TEST_WORKER}#{task.id}"
     with pytest.raises(Retry) as failed:
         celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
-    reason = f"{label}: failure: Temporary failure! (due again in 60 s)"
+    reason = f"{label} [native]: failure: Temporary failure! (due again in 60 s)"
     assert (str(failed.value), failed.value.when) == (reason, 60)
     assert isinstance(failed.value.exc, errors.TaskFailed) and str(failed.value.exc) == reason
     with pytest.raises(errors.LeaseLost) as lost:
@@ -245,7 +246,7 @@ def test_the_celery_task_raises_what_celery_records_as_its_state(rt, monkeypatch
 
     task = queue_and_lease(rt, TEST_WORKER, {"doWork": "yield", "yieldUntil": time.time() + 60})
     result = celery_execute()(*task.lease, task.raw_data, TEST_WORKER)
-    assert result.startswith(f"{TEST_WORKER}#{task.id}: yield (due again in 6")
+    assert result.startswith(f"{TEST_WORKER}#{task.id} [native]: yield (due again in 6")
     assert result.endswith(f"; runs again in a new message: search kwargs:{task.id}={TEST_WORKER}")
     assert celery_execute().throws == (errors.TaskNotDone,)
 
@@ -690,8 +691,8 @@ def test_each_outcome_in_a_batch_is_fenced_alone(rt, probe, batches):
     probe.behaviour = behave
     with pytest.raises(errors.BatchNotDone) as not_done:
         celery_execute_batch()(owner, items)
-    assert f"{PROBE}#{first}: lease-lost: success not written" in str(not_done.value)
-    assert f"{PROBE}#{second}: failure: down (due again in 60 s)" in str(not_done.value)
+    assert f"{PROBE}#{first} [native]: lease-lost: success not written" in str(not_done.value)
+    assert f"{PROBE}#{second} [native]: failure: down (due again in 60 s)" in str(not_done.value)
     assert active_row(rt, first).leaseOwner == "someone-else"
     assert active_row(rt, second).failureCount == 1
     assert [row.result for row in archive_rows(rt, third)] == [RESULT_SUCCESS]
@@ -716,7 +717,7 @@ def test_a_batch_retries_when_its_only_failures_are_temporary(rt, probe, batches
         celery_execute_batch()(owner, items)
     text = str(not_done.value)
     assert text.startswith("3 task(s): ")
-    assert f"{PROBE}#{second}: failure: down (due again in 60 s)" in text
+    assert f"{PROBE}#{second} [native]: failure: down (due again in 60 s)" in text
     # The reason is the handler's, raised where it failed.
     assert str(not_done.value.__cause__) == "down"
     assert active_row(rt, second).failureCount == 1
@@ -746,7 +747,7 @@ def test_a_refused_outcome_fails_alone_and_the_batch_goes_on(rt, batches, monkey
     with caplog.at_level(logging.ERROR), pytest.raises(errors.BatchNotDone) as not_done:
         celery_execute_batch()(owner, items)
     first, second, third = (item[0] for item in items)
-    assert f"{TEST_WORKER}#{first}: unreported: success not written" in str(not_done.value)
+    assert f"{TEST_WORKER}#{first} [native]: unreported: success not written" in str(not_done.value)
     assert "Out of range value" in caplog.text
     assert archive_rows(rt, first) == [] and active_row(rt, first).leaseOwner == owner
     for task_id in (second, third):

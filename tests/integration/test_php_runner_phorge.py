@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from urllib.parse import parse_qs
 
 import pytest
 import sqlalchemy as sa
-from phorge_env import Phorge, phorge_root, worker_database_url
+from phorge_env import (
+    HELPER_START,
+    HookReceiver,
+    Phorge,
+    hook_receiver,
+    phorge_root,
+    worker_database_url,
+)
 
 from bridge.assembly import build_runtime
 from bridge.config import load_settings
@@ -32,14 +36,9 @@ from bridge.queue.model import Leased, Outcome
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 
-HELPER = r"""<?php
-$root = $argv[1];
-$command = $argv[2];
-$args = json_decode(isset($argv[3]) ? $argv[3] : '{}', true);
-require_once $root.'/scripts/init/init-script.php';
-require_once $argv[0].'.accounts.php';
-$viewer = PhabricatorUser::getOmnipotentUser();
-
+HELPER = (
+    HELPER_START
+    + r"""
 switch ($command) {
   case 'env':
     // Where Phorge's worker tables are, so the bridge opens the very same database.
@@ -75,28 +74,7 @@ switch ($command) {
     echo json_encode(array('phid' => $task->getPHID()));
     break;
   case 'effects':
-    $phid = $args['phid'];
-    $stories = id(new PhabricatorFeedQuery())->setViewer($viewer)
-      ->withFilterPHIDs(array($phid))->execute();
-    $ferret = id(new ManiphestTask())->newFerretEngine();
-    $indexed = queryfx_one(id(new ManiphestTask())->establishConnection('r'),
-      'SELECT COUNT(*) n FROM %T WHERE objectPHID = %s',
-      $ferret->getDocumentTableName(), $phid);
-    $xactions = id(new ManiphestTransactionQuery())->setViewer($viewer)
-      ->withObjectPHIDs(array($phid))->execute();
-    $mails = id(new PhabricatorMetaMTAMail())->loadAllWhere(
-      'relatedPHID = %s', $phid);
-    $statuses = array();
-    foreach ($mails as $mail) {
-      $statuses[] = $mail->getStatus();
-    }
-    sort($statuses);
-    echo json_encode(array(
-      'feedStories' => count($stories),
-      'indexed' => (int)$indexed['n'],
-      'transactions' => count($xactions),
-      'mails' => $statuses,
-    ));
+    echo json_encode(phorge_bridge_effects($viewer, $args['phid']));
     break;
   case 'archived':
     // Phorge reads every row the bridge archived.
@@ -110,6 +88,7 @@ switch ($command) {
     break;
 }
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -117,43 +96,16 @@ def phorge(tmp_path_factory: pytest.TempPathFactory) -> Phorge:
     return Phorge.with_helper(phorge_root(), tmp_path_factory.mktemp("runner"), HELPER)
 
 
-class HookReceiver(HTTPServer):
-    """Keeps the ``storyData`` object PHID of every feed hook POST it receives."""
-
-    def __init__(self) -> None:
-        self.objects: list[str] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                form = parse_qs(body.decode())
-                receiver.objects += form.get("storyData[objectPHID]", [])
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-        super().__init__(("127.0.0.1", 0), Handler)
-
-
 @pytest.fixture(scope="module")
 def hooks(phorge: Phorge) -> Iterator[HookReceiver]:
     """Phorge's ``feed.http-hooks`` pointed at a receiver here, for this module only."""
-    receiver = HookReceiver()
-    thread = threading.Thread(target=receiver.serve_forever, daemon=True)
-    thread.start()
-    uri = f"http://127.0.0.1:{receiver.server_address[1]}/"
-    done = phorge.bin("config", "set", "feed.http-hooks", json.dumps([uri]))
-    assert done.returncode == 0, done.stdout + done.stderr
-    try:
-        yield receiver
-    finally:
-        phorge.bin("config", "delete", "feed.http-hooks")
-        receiver.shutdown()
-        receiver.server_close()
+    with hook_receiver() as receiver:
+        done = phorge.bin("config", "set", "feed.http-hooks", json.dumps([f"{receiver.base}/"]))
+        assert done.returncode == 0, done.stdout + done.stderr
+        try:
+            yield receiver
+        finally:
+            phorge.bin("config", "delete", "feed.http-hooks")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import MySQLdb
 import MySQLdb.cursors
 import outcomes
 import pytest
+from services import url_of
 from sqlalchemy import Engine, event, func, select, update
 from sqlalchemy.exc import DataError
 from threads import run_together
@@ -42,15 +43,9 @@ PHP_INSERT_TASK = (
 )
 
 
-def url_of(engine: Engine) -> str:
-    return engine.url.render_as_string(hide_password=False)
-
-
 @pytest.fixture
-def q(mysql_engine) -> PhorgeQueue:
-    queue = PhorgeQueue(make_engine(url_of(mysql_engine)))
-    yield queue
-    queue.engine.dispose()
+def q(mysql_queue: PhorgeQueue) -> PhorgeQueue:
+    return mysql_queue
 
 
 def connect_raw(engine: Engine) -> MySQLdb.Connection:

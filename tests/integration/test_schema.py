@@ -1,7 +1,9 @@
 """bridge/schema.py creates, on MariaDB, exactly the tables of a real Phorge install.
 
 The reference is ``SHOW CREATE TABLE`` read off Phorge (tests/reference/), loaded
-into a second database and compared through information_schema, table by table.
+into a second database and compared through information_schema, table by table: the
+worker database's four tables, and ``config_entry`` from Phorge's config database
+(``{namespace}_config``), where the gray migration keeps its weights.
 """
 
 from __future__ import annotations
@@ -12,21 +14,26 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from bridge.queue.schema import metadata
+from bridge.queue.schema import WORKER_TABLES, config_entry, metadata
 
-REFERENCE = Path(__file__).parent.parent / "reference" / "phorge-worker-schema.sql"
-
-
-def reference_statements() -> list[str]:
-    """The reference's CREATE TABLE statements (each ends with a lone `;` line)."""
-    text = "\n".join(
-        line for line in REFERENCE.read_text().splitlines() if not line.startswith("--")
-    )
-    return [s.strip() for s in text.split("\n;") if s.strip()]
+REFERENCES = Path(__file__).parent.parent / "reference"
+WORKER_REFERENCE = REFERENCES / "phorge-worker-schema.sql"
+CONFIG_REFERENCE = REFERENCES / "phorge-config-schema.sql"
 
 
-def reference_tables() -> list[str]:
-    return [re.match(r"CREATE TABLE `(\w+)`", s)[1] for s in reference_statements()]
+def reference_statements(*references: Path) -> list[str]:
+    """The references' CREATE TABLE statements (each ends with a lone `;` line)."""
+    statements = []
+    for reference in references or (WORKER_REFERENCE, CONFIG_REFERENCE):
+        text = "\n".join(
+            line for line in reference.read_text().splitlines() if not line.startswith("--")
+        )
+        statements += [s.strip() for s in text.split("\n;") if s.strip()]
+    return statements
+
+
+def reference_tables(*references: Path) -> list[str]:
+    return [re.match(r"CREATE TABLE `(\w+)`", s)[1] for s in reference_statements(*references)]
 
 
 # What a column, an index and a table are made of, as information_schema says.
@@ -81,6 +88,10 @@ def reference_engine(make_mysql_database) -> sa.Engine:
 
 def test_same_tables_as_reference():
     assert sorted(metadata.tables) == sorted(reference_tables())
+    # The worker database's own tables are exactly those read off phabricator_worker;
+    # config_entry is phabricator_config's, never expected in the worker database.
+    assert sorted(t.name for t in WORKER_TABLES) == sorted(reference_tables(WORKER_REFERENCE))
+    assert reference_tables(CONFIG_REFERENCE) == [config_entry.name]
 
 
 @pytest.mark.parametrize("table", reference_tables())

@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from flaky_sql import flaky_statement
 from sqlalchemy import Engine, select
 
+from bridge.canary.weights import labelled
 from bridge.cli.main import main
 from bridge.config import load_settings
 from bridge.engine.batch import Batch, run_task
@@ -154,7 +155,7 @@ def test_an_outcome_refused_while_read_only_is_held_and_written_once(rt, probe, 
     assert ran.outcome is Outcome.SUCCESS, ran
     assert len(probe.started) == 1
     [row] = archived(rt, task.id)
-    assert (row.result, row.leaseOwner) == (0, task.lease_owner)
+    assert (row.result, row.leaseOwner) == (0, labelled(task.lease_owner, "native"))
     assert active_row(rt, task.id) is None
     # One line when writes start to be refused, one when they are accepted again.
     assert gate_lines(caplog) == [

@@ -217,10 +217,14 @@ def test_show_tells_the_whole_story_of_one_task_from_its_row_and_its_runs(cli, q
 def test_the_reason_is_the_bridges_outcome_line_not_celerys_quote_of_it(cli, queue, tmp_path):
     flaky, broken, waiting = (queue.enqueue(WORKER, {"n": n}) for n in range(3))
     log = tmp_path / "worker.log"
-    run_log(log, queue, flaky, RunReport(Outcome.FAILURE, "mail server down", 300))
-    run_log(log, queue, broken, RunReport(Outcome.PERMANENT_FAILURE, "bad address"))
+    # The outcome line names who ran the task ([native]), as a worker's does.
+    failed = RunReport(Outcome.FAILURE, "mail server down", 300, implementation="native")
+    run_log(log, queue, flaky, failed)
+    refused = RunReport(Outcome.PERMANENT_FAILURE, "bad address", implementation="runner-fallback")
+    run_log(log, queue, broken, refused)
     run_log(log, queue, waiting, RunReport(Outcome.YIELD, "import running", 60))
-    assert "raised expected: TaskFailed('PhabricatorTestWorker#1: failure: " in log.read_text()
+    quote = "raised expected: TaskFailed('PhabricatorTestWorker#1 [native]: failure: "
+    assert quote in log.read_text()
     reasons = {i: row["reason"] for i, row in listed(cli, "--log", str(log)).items()}
     assert reasons == {
         flaky: "failure: mail server down",

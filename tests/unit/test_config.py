@@ -99,6 +99,16 @@ ACCEPTED = [
     ("BRIDGE_RUNNER_MAX_AGE", "60", "runner_max_age", 60.0),
     ("BRIDGE_RUNNER_MAX_RSS", "128", "runner_max_rss", 128 * 1024 * 1024),
     ("BRIDGE_RUNNER_RELOAD_STAMP", "/srv/deployed", "runner_reload_stamp", None),
+    ("BRIDGE_CANARY_DATABASE", "phabricator_config", "canary_database", "phabricator_config"),
+    ("BRIDGE_CANARY_REFRESH", "0.5", "canary_refresh", 0.5),
+    ("BRIDGE_CANARY_GUARD_INTERVAL", "2", "canary_guard_interval", 2.0),
+    ("BRIDGE_CANARY_WINDOW", "600", "canary_window", 600),
+    ("BRIDGE_CANARY_WINDOW_RUNS", "100", "canary_window_runs", 100),
+    ("BRIDGE_CANARY_MIN_RUNS", "20", "canary_min_runs", 20),
+    ("BRIDGE_CANARY_MIN_FAILURES", "5", "canary_min_failures", 5),
+    ("BRIDGE_CANARY_MAX_DROP", "0.05", "canary_max_drop", 0.05),
+    ("BRIDGE_CANARY_MAX_SLOWDOWN", "1", "canary_max_slowdown", 1.0),
+    ("BRIDGE_CANARY_SLOWDOWN_FLOOR", "0.5", "canary_slowdown_floor", 0.5),
 ]
 EXPECTED_GLOBS = {"BRIDGE_HANDLERS_INCLUDE": ("Phabricator*", "Herald*")}
 
@@ -179,6 +189,16 @@ REFUSED = [
     ({"BRIDGE_RUNNER_MAX_TASKS": "0"}, "BRIDGE_RUNNER_MAX_TASKS", "positive"),
     ({"BRIDGE_RUNNER_MAX_AGE": "never"}, "BRIDGE_RUNNER_MAX_AGE", "positive"),
     ({"BRIDGE_RUNNER_MAX_RSS": "1.5G"}, "BRIDGE_RUNNER_MAX_RSS", "positive"),
+    ({"BRIDGE_CANARY_DATABASE": "phab-config"}, "BRIDGE_CANARY_DATABASE", "database name"),
+    ({"BRIDGE_CANARY_REFRESH": "0"}, "BRIDGE_CANARY_REFRESH", "positive"),
+    ({"BRIDGE_CANARY_GUARD_INTERVAL": "soon"}, "BRIDGE_CANARY_GUARD_INTERVAL", "positive"),
+    ({"BRIDGE_CANARY_WINDOW": "5m"}, "BRIDGE_CANARY_WINDOW", "positive"),
+    ({"BRIDGE_CANARY_WINDOW_RUNS": "0"}, "BRIDGE_CANARY_WINDOW_RUNS", "positive"),
+    ({"BRIDGE_CANARY_MIN_RUNS": "-1"}, "BRIDGE_CANARY_MIN_RUNS", "positive"),
+    ({"BRIDGE_CANARY_MIN_FAILURES": "1.5"}, "BRIDGE_CANARY_MIN_FAILURES", "positive"),
+    ({"BRIDGE_CANARY_MAX_DROP": "2%"}, "BRIDGE_CANARY_MAX_DROP", "0 to 1"),
+    ({"BRIDGE_CANARY_MAX_SLOWDOWN": "0.5"}, "BRIDGE_CANARY_MAX_SLOWDOWN", "at least 1"),
+    ({"BRIDGE_CANARY_SLOWDOWN_FLOOR": "-1"}, "BRIDGE_CANARY_SLOWDOWN_FLOOR", "positive"),
 ]
 
 

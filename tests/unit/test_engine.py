@@ -155,7 +155,7 @@ def test_a_short_yield_reports_the_5_s_it_is_held_back(
         ran_by.run([Leased(task_id, task.failure_count, "ShortYield")])
     [(_, ran, line)] = ran_by.reports
     assert (ran.outcome, ran.wait) == (Outcome.YIELD, 5)
-    assert line == f"ShortYield#{task_id}: yield (due again in 5 s)"
+    assert line == f"ShortYield#{task_id} [native]: yield (due again in 5 s)"
     # As logged (a worker's lines end with the task's tag, once Celery's hooks are in).
     assert any(message.startswith(line) for message in caplog.messages)
     with queue.engine.connect() as conn:

@@ -21,7 +21,7 @@ from bridge.engine.run import RunReport
 from bridge.queue import Outcome
 from bridge.queue.model import Leased
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, Sent, ids_repr, search_term
-from bridge.runtime.quiet_polls import QuietPollLines, QuietTask
+from bridge.runtime.quiet_polls import QuietLines, QuietTask
 from bridge.runtime.tasks import batch_summary
 
 ROOT = Path(__file__).parents[2]
@@ -98,13 +98,16 @@ def celery_line(level: int, message: str, args: object) -> logging.LogRecord:
     ],
 )
 def test_only_celerys_info_lines_about_a_poll_are_dropped(level, args, shown):
-    assert QuietPollLines().filter(celery_line(level, "Task %(name)s[%(id)s]", args)) is shown
+    assert QuietLines().filter(celery_line(level, "Task %(name)s[%(id)s]", args)) is shown
 
 
-@pytest.mark.parametrize(("task", "shown"), [("bridge.poll", False), ("nightly.report", True)])
+@pytest.mark.parametrize(
+    ("task", "shown"),
+    [("bridge.poll", False), ("bridge.canary_guard", False), ("nightly.report", True)],
+)
 def test_beats_info_line_about_sending_a_poll_is_dropped(task, shown):
     line = celery_line(logging.INFO, "Scheduler: Sending due task %s (%s)", ("entry", task))
-    assert QuietPollLines().filter(line) is shown
+    assert QuietLines().filter(line) is shown
 
 
 def test_a_batch_result_names_each_outcome_and_where_the_rest_went():

@@ -27,7 +27,7 @@ FORKING_WORKER = textwrap.dedent(
     conduit_metrics.CONDUIT_BREAKER_OPEN.set(0)
     child = os.fork()
     if child == 0:
-        metrics.outcome_counter("Worker", "success").inc(3)
+        metrics.outcome_counter("Worker", "success", "native").inc(3)
         conduit_metrics.CONDUIT_BREAKER_OPEN.set(1)
         metrics.LAST_POLL.set(1234)
         os._exit(0)
@@ -37,7 +37,7 @@ FORKING_WORKER = textwrap.dedent(
         for family in exporter.ProcessesCollector(directory).collect()
         for s in family.samples
     }
-    success = (("outcome", "success"), ("task_class", "Worker"))
+    success = (("implementation", "native"), ("outcome", "success"), ("task_class", "Worker"))
     print(samples[("phorge_bridge_outcomes_total", success)])
     print(samples[("phorge_bridge_conduit_breaker_open", ())])
     print(samples[("phorge_bridge_last_poll_timestamp_seconds", ())])

@@ -329,11 +329,18 @@ final class PhorgeBridgeVersionConduitAPIMethod
   }
 
   // The sha256 of the extension files' sha256 digests, in this order (the
-  // bridge's Python computes the same of the files it ships).
+  // bridge's Python computes the same of the files it ships: EXTENSION_FILES
+  // in bridge/phorge/extension.py).
   private static function getExtensionHash() {
-    $digests = '';
-    foreach (array(__FILE__, dirname(__FILE__).'/PhorgeBridgeTaskRun.php') as $path) {
-      $digests .= hash_file('sha256', $path);
+    $files = array(
+      'PhorgeBridgeQueueDaemon.php',
+      'PhorgeBridgeCanaryConfigOptions.php',
+      'PhorgeBridgeTaskRun.php',
+      'PhorgeBridgeCanary.php',
+    );
+    $digests = hash_file('sha256', __FILE__);
+    foreach ($files as $file) {
+      $digests .= hash_file('sha256', dirname(__FILE__).'/'.$file);
     }
     return hash('sha256', $digests);
   }

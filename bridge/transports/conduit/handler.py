@@ -25,7 +25,7 @@ from bridge.errors import (
 )
 from bridge.handlers.api import HandBack, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.availability import Availability
-from bridge.handlers.capabilities import BatchHandler, run_each
+from bridge.handlers.capabilities import CONDUIT, BatchHandler, run_each
 from bridge.queue.model import DEFAULT_LEASE_SECONDS, DEFAULT_RETRY_WAIT, MIN_YIELD_SECONDS
 from bridge.transports.conduit.client import ConduitClient
 from bridge.transports.conduit.request_slots import RequestSlots
@@ -138,6 +138,7 @@ class ConduitProxyHandler(BatchHandler):
     holds one of the worker's ``slots`` while it is in flight.
     """
 
+    implementation = CONDUIT
     availability: Availability  # always one: the transport is Conduit
 
     def __init__(

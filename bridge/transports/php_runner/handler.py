@@ -22,7 +22,7 @@ from typing import Any
 from bridge.errors import RunnerBootError, RunnerDied, RunnerTimedOut
 from bridge.handlers.api import HandBack, PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.availability import Availability
-from bridge.handlers.capabilities import TransportHandler
+from bridge.handlers.capabilities import RUNNER, TransportHandler
 from bridge.queue.model import DEFAULT_RETRY_WAIT
 from bridge.transports.php_runner.pool import RunnerPool
 from bridge.transports.task_run import READ_ONLY_YIELD, apply_result, execute_params
@@ -45,6 +45,7 @@ class PhpRunnerHandler(TransportHandler):
     """Serves the PHP-only classes matching ``classes`` with the pool's processes."""
 
     phorge_defaults = True
+    implementation = RUNNER
     availability: Availability  # always one: the runner can fail to boot
     batch_limit = 16  # a message's tasks run in turn, their outcomes one commit
 

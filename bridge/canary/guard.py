@@ -1,0 +1,329 @@
+"""The canary guard: the new side's runs against the old side's, from Phorge's archive,
+and the rollback (or the next ramp step) that follows.
+
+Both sides archive their runs in ``worker_archivetask``, and each row's lease owner
+names who ran it (``weights.label_of``). Over the window (the last ``seconds`` of
+archived rows, the newest ``max_runs`` runs of each side), a row counts
+``1 + failureCount`` runs: its earlier, temporary failures and its last run (a success,
+or a permanent failure; a cancelled row's last run never ran). A row that fell back
+(``*-fallback``) is one new-side failure and the old side's run after it.
+
+:func:`guard_once` runs under a named database lock, so one guard judges at a time
+however many beats and workers send it; beat sends it every
+``BRIDGE_CANARY_GUARD_INTERVAL`` s (``bridge.runtime.canary_guard``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Engine
+
+from bridge.canary import sql
+from bridge.canary.store import CanaryStore
+from bridge.canary.weights import (
+    FELL_BACK,
+    NEW,
+    PHD,
+    Canary,
+    CanaryState,
+    label_of,
+    percent,
+    side_of,
+)
+from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS
+from bridge.queue.phorge_queue import named_lock
+
+if TYPE_CHECKING:
+    from bridge.config import Settings
+
+log = logging.getLogger(__name__)
+
+MICROSECONDS = 1_000_000  # the archive's ``duration`` unit
+PAGE_ROWS = 1000  # archive rows read at a time, newest first, until both sides are full
+
+
+@dataclass(frozen=True)
+class SideStats:
+    """One side's runs over a window; durations (seconds) are successful runs'."""
+
+    runs: int = 0
+    successes: int = 0
+    temporary_failures: int = 0
+    permanent_failures: int = 0
+    fallbacks: int = 0
+    p50: float | None = None
+    p99: float | None = None
+    implementations: tuple[str, ...] = ()
+
+    @property
+    def failures(self) -> int:
+        return self.runs - self.successes
+
+    @property
+    def ratio(self) -> float | None:
+        """Successes per run; None without a run."""
+        return self.successes / self.runs if self.runs else None
+
+
+@dataclass(frozen=True)
+class Window:
+    task_class: str
+    level: str
+    seconds: int
+    new: SideStats
+    old: SideStats
+
+
+def quantile(ordered: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile of ``ordered`` (ascending)."""
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@dataclass
+class _Tally:
+    """A side's counts as rows are read, newest first."""
+
+    full_at: int
+    runs: int = 0
+    successes: int = 0
+    temporary: int = 0
+    permanent: int = 0
+    fallbacks: int = 0
+    durations: list[float] = field(default_factory=list)
+    implementations: set[str] = field(default_factory=set)
+
+    @property
+    def full(self) -> bool:
+        return self.runs >= self.full_at
+
+    def archived(self, failure_count: int, result: int, duration: int, label: str) -> None:
+        self.implementations.add(label)
+        self.runs += failure_count
+        self.temporary += failure_count
+        if result == RESULT_SUCCESS:
+            self.runs += 1
+            self.successes += 1
+            self.durations.append(duration / MICROSECONDS)
+        elif result == RESULT_FAILURE:
+            self.runs += 1
+            self.permanent += 1
+
+    def fell_back(self) -> None:
+        self.runs += 1
+        self.fallbacks += 1
+
+    def stats(self) -> SideStats:
+        ordered = sorted(self.durations)
+        return SideStats(
+            runs=self.runs,
+            successes=self.successes,
+            temporary_failures=self.temporary,
+            permanent_failures=self.permanent,
+            fallbacks=self.fallbacks,
+            p50=quantile(ordered, 0.50),
+            p99=quantile(ordered, 0.99),
+            implementations=tuple(sorted(self.implementations)),
+        )
+
+
+def read_window(engine: Engine, task_class: str, level: str, seconds: int, max_runs: int) -> Window:
+    """``task_class``'s archived runs of the last ``seconds``, split into the two sides of
+    ``level`` by their lease owners' labels, the newest ``max_runs`` runs of each; then
+    the new side's failures whose rows still wait for the old side (a backlog there must
+    not hide them), read after the archive so that a row archived meanwhile is missed
+    rather than counted twice."""
+    new, old = _Tally(max_runs), _Tally(max_runs)
+    before: tuple[int, int] | None = None
+    with engine.connect() as conn:
+        while not (new.full and old.full):
+            rows = conn.execute(sql.archived_runs(task_class, seconds, PAGE_ROWS, before)).all()
+            for row in rows:
+                label = label_of(row.leaseOwner)
+                side = side_of(level, label)
+                shown = label or PHD  # Phorge's own taskmasters' owners carry no label
+                failure_count, result, duration = row.failureCount, row.result, row.duration
+                if side == FELL_BACK:
+                    if not new.full:
+                        new.fell_back()
+                    if not old.full:
+                        old.archived(failure_count, result, duration, shown)
+                else:
+                    tally = new if side == NEW else old
+                    if not tally.full:
+                        tally.archived(failure_count, result, duration, shown)
+            if len(rows) < PAGE_ROWS:
+                break
+            before = (rows[-1].dateModified, rows[-1].id)
+        pending = conn.execute(sql.pending_fallbacks(task_class, seconds)).scalar_one()
+    for _ in range(min(int(pending), max(0, new.full_at - new.runs))):
+        new.fell_back()
+    return Window(task_class, level, seconds, new.stats(), old.stats())
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """When the guard rolls a class back (``BRIDGE_CANARY_*``)."""
+
+    min_runs: int = 10
+    min_failures: int = 3
+    max_drop: float = 0.02
+    max_slowdown: float = 3.0
+    slowdown_floor: float = 1.0  # a PHP runner's first, cold runs are 0.1-0.6 s slower
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Bounds:
+        return cls(
+            min_runs=settings.canary_min_runs,
+            min_failures=settings.canary_min_failures,
+            max_drop=settings.canary_max_drop,
+            max_slowdown=settings.canary_max_slowdown,
+            slowdown_floor=settings.canary_slowdown_floor,
+        )
+
+
+_EPSILON = 1e-9  # 49 successes in 50 runs is 2 points below 100%, not more
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio * 100:.1f}%"
+
+
+def verdict(window: Window, bounds: Bounds) -> str | None:
+    """Why the new side must be rolled back, or None while it may go on.
+
+    Only with a sample of at least ``min_runs`` new-side runs. It trips when, with at
+    least ``min_failures`` of them failed, the new side's success ratio is more than
+    ``max_drop`` below the old side's (taken as 1.0 while the old side has fewer than
+    ``min_runs`` runs), or when its median duration is more than ``max_slowdown`` times
+    the old side's (with ``min_runs`` old runs) and at least ``slowdown_floor`` s slower.
+    """
+    new, old = window.new, window.old
+    if new.runs < bounds.min_runs:
+        return None
+    new_ratio = new.ratio or 0.0
+    old_ratio = old.ratio if old.runs >= bounds.min_runs and old.ratio is not None else 1.0
+    reason = (
+        f"new side success {_percent(new_ratio)} over {new.runs} runs, old side "
+        f"{_percent(old_ratio)} over {old.runs} runs, window {window.seconds} s"
+    )
+    if new.failures >= bounds.min_failures and old_ratio - new_ratio > bounds.max_drop + _EPSILON:
+        return reason
+    if (
+        new.p50 is not None
+        and old.p50 is not None
+        and old.runs >= bounds.min_runs
+        and new.p50 > bounds.max_slowdown * old.p50
+        and new.p50 - old.p50 >= bounds.slowdown_floor
+    ):
+        return (
+            f"{reason}; new side p50 {new.p50:.3f} s against the old side's {old.p50:.3f} s "
+            f"(more than {bounds.max_slowdown:g} times, and {bounds.slowdown_floor:g} s slower)"
+        )
+    return None
+
+
+def guard_lock_name(owner_prefix: str) -> str:
+    return f"{owner_prefix}:canary-guard"
+
+
+def guard_lock(engine: Engine, owner_prefix: str) -> AbstractContextManager[int | None]:
+    """Hold the guard's named lock for the block; yields the database time, or None when
+    another guard holds it."""
+    return named_lock(engine, guard_lock_name(owner_prefix))
+
+
+def _trip(store: CanaryStore, task_class: str, level: str, now: int, reason: str) -> bool:
+    """Roll ``task_class`` back at ``level``; False when it already was (a CLI meanwhile)."""
+    tripped = False
+
+    def change(state: CanaryState) -> CanaryState:
+        nonlocal tripped
+        tripped = not state.of(task_class, level).rolled_back
+        return state.with_rollback(task_class, level, now, reason) if tripped else state
+
+    store.change_state(change)
+    if tripped:
+        log.error("canary rollback: %s (%s): %s", task_class, level, reason)
+    return tripped
+
+
+def _ramp(store: CanaryStore, canary: Canary, task_class: str, level: str, now: int) -> str | None:
+    """The ramp's next step when the current one was held its dwell; None otherwise."""
+    ramp = canary.configured(task_class).ramp
+    seen = canary.state.of(task_class, level)
+    if ramp is None or ramp.level != level or seen.rolled_back:
+        return None
+    if seen.step_since is None:  # first sight of this step: its dwell starts now
+
+        def start(state: CanaryState) -> CanaryState:
+            current = state.of(task_class, level)
+            if current.step_since is not None or current.rolled_back:
+                return state
+            started = replace(current, step_since=now)
+            return replace(state, levels={**state.levels, (task_class, level): started})
+
+        store.change_state(start)
+        return None
+    step = seen.step + 1
+    if step >= len(ramp.steps) or now - seen.step_since < ramp.dwell:
+        return None
+    weight = percent(ramp.steps[step])
+    stepped = False
+
+    def advance(state: CanaryState) -> CanaryState:
+        nonlocal stepped
+        current = state.of(task_class, level)
+        stepped = current == seen  # unchanged since read: no CLI, no other guard
+        return state.with_step(task_class, level, now, step, weight) if stepped else state
+
+    store.change_state(advance)
+    if not stepped:
+        return None
+    log.info(
+        "canary ramp: %s (%s) steps to %g%% (step %d of %d) after %d s without a rollback",
+        task_class,
+        level,
+        weight,
+        step + 1,
+        len(ramp.steps),
+        now - seen.step_since,
+    )
+    return f"step {task_class} ({level}) {weight:g}%"
+
+
+def guard_once(store: CanaryStore, engine: Engine, settings: Settings) -> list[str]:
+    """Judge every shared class once: roll back those the new side is worse for, and
+    move a quiet ramp to its next step. Returns what it did (``rollback C (level)``,
+    ``step C (level) 5%``); nothing but one read of the options when no class is shared,
+    or when another guard holds the lock."""
+    if not store.read().partial():
+        return []
+    bounds = Bounds.from_settings(settings)
+    made: list[str] = []
+    with guard_lock(engine, settings.owner_prefix) as now:
+        if now is None:
+            return []
+        canary = store.read()  # under the lock: as the last guard left it
+        for task_class, level, _weight in canary.partial():
+            # Since a promotion only: the runs that made the rollback are judged already.
+            promoted = canary.state.promoted_at(task_class, level)
+            seconds = settings.canary_window
+            if promoted is not None:
+                seconds = max(0, min(seconds, now - promoted))
+            window = read_window(engine, task_class, level, seconds, settings.canary_window_runs)
+            reason = verdict(window, bounds)
+            if reason is not None:
+                if _trip(store, task_class, level, now, reason):
+                    made.append(f"rollback {task_class} ({level})")
+                continue
+            stepped = _ramp(store, canary, task_class, level, now)
+            if stepped is not None:
+                made.append(stepped)
+    return made

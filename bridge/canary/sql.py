@@ -1,0 +1,151 @@
+"""Every statement the canary runs: Phorge's config table (the weights and the state) and
+the archive rows the guard and ``canary report`` judge.
+
+Each builder says which Phorge code it reproduces. The config table is addressed by
+:func:`bridge.queue.schema.config_entry_in` (``{namespace}_config.config_entry``, or the
+worker database's own copy on SQLite). No ``config_transaction`` row is ever written:
+phd's overseer restarts the daemons when one appears, and a rollback must not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    Insert,
+    Select,
+    Table,
+    Update,
+    and_,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
+
+from bridge.queue.dialect import db_now
+from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
+
+# PhabricatorConfigEntry::loadConfigEntry() and PhabricatorConfigDatabaseSource read
+# the options of this namespace only.
+NAMESPACE = "default"
+
+
+def read_options(table: Table, keys: tuple[str, ...]) -> Select[Any]:
+    """The live values of the options ``keys``: PhabricatorConfigDatabaseSource::
+    loadConfig() (``namespace = 'default' AND isDeleted = 0``), narrowed to ``keys``."""
+    return select(table.c.configKey, table.c.value).where(
+        table.c.namespace == NAMESPACE,
+        table.c.configKey.in_(keys),
+        table.c.isDeleted == 0,
+    )
+
+
+def lock_option(table: Table, key: str) -> Select[Any]:
+    """The option's row, deleted or not, locked until commit:
+    PhabricatorConfigEntry::loadConfigEntry() (``configKey = %s AND namespace = %s``),
+    FOR UPDATE so that two writers of the state take turns."""
+    return (
+        select(table.c.id, table.c.value, table.c.isDeleted)
+        .where(table.c.configKey == key, table.c.namespace == NAMESPACE)
+        .with_for_update()
+    )
+
+
+def insert_option(table: Table, key: str, value_json: str, phid: str) -> Insert:
+    """A new option row, as PhabricatorConfigEntry::save() inserts one after
+    loadConfigEntry() found none: a fresh ``PHID-CONF-`` phid (CONFIG_AUX_PHID), the
+    ``default`` namespace, not deleted, the value JSON (SERIALIZATION_JSON), both dates
+    now (Lisk's CONFIG_TIMESTAMPS)."""
+    return insert(table).values(
+        phid=phid,
+        namespace=NAMESPACE,
+        configKey=key,
+        value=value_json,
+        isDeleted=0,
+        dateCreated=db_now(),
+        dateModified=db_now(),
+    )
+
+
+def update_option(table: Table, row_id: int, value_json: str) -> Update:
+    """PhabricatorConfigEntry::save() of a row loadConfigEntry() found (the editor's
+    TYPE_EDIT: ``isDeleted`` 0, the new value), ``dateModified`` now."""
+    return (
+        update(table)
+        .where(table.c.id == row_id)
+        .values(value=value_json, isDeleted=0, dateModified=db_now())
+    )
+
+
+def pending_fallbacks(task_class: str, seconds: int) -> Select[Any]:
+    """``task_class``'s active rows that fell back in the last ``seconds`` and wait for
+    the old side (or run there now): ``failureTime`` set with no failure counted, which
+    only a fallback leaves (``key_failuretime``)."""
+    return select(func.count()).where(
+        active.c.failureTime >= db_now() - seconds,
+        active.c.failureCount == 0,
+        active.c.taskClass == task_class,
+    )
+
+
+def archived_runs(
+    task_class: str,
+    seconds: int,
+    limit: int,
+    before: tuple[int, int] | None = None,
+) -> Select[Any]:
+    """``task_class``'s archive rows archived in the last ``seconds`` (``dateModified``,
+    which archiveTask() sets, through the archive's ``key_modified`` index), newest
+    first, ``limit`` at a time; ``before``: the (dateModified, id) a previous page ended
+    at. The server's clock comes with each row."""
+    where = [
+        archive.c.dateModified >= db_now() - seconds,
+        archive.c.taskClass == task_class,
+    ]
+    if before is not None:
+        modified, task_id = before
+        where.append(
+            or_(
+                archive.c.dateModified < modified,
+                and_(archive.c.dateModified == modified, archive.c.id < task_id),
+            )
+        )
+    return (
+        select(
+            archive.c.id,
+            archive.c.leaseOwner,
+            archive.c.failureCount,
+            archive.c.result,
+            archive.c.duration,
+            archive.c.dateModified,
+        )
+        .where(*where)
+        .order_by(archive.c.dateModified.desc(), archive.c.id.desc())
+        .limit(limit)
+    )
+
+
+def archived_since(task_class: str, seconds: int) -> Select[Any]:
+    """Whether any row of ``task_class`` was archived in the last ``seconds`` (the CLI's
+    check that a class it is told about exists)."""
+    return (
+        select(literal(1))
+        .where(
+            archive.c.dateModified >= db_now() - seconds,
+            archive.c.taskClass == task_class,
+        )
+        .limit(1)
+    )
+
+
+def queued(task_class: str) -> Select[Any]:
+    """Whether any row of ``task_class`` is in the active table (its ``taskClass`` index)."""
+    return select(literal(1)).where(active.c.taskClass == task_class).limit(1)
+
+
+def server_time() -> Select[Any]:
+    return select(db_now())

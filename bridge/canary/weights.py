@@ -1,0 +1,356 @@
+"""The canary's weights and state, as Phorge's config options hold them, and the side a
+task goes to.
+
+The operator sets ``phorge-bridge.canary`` (``bin/config set --database``); the bridge
+alone writes ``phorge-bridge.canary-state`` (rollbacks, ramp steps, their history). The
+choice of side is a hash of the task id that PHP (``PhorgeBridgeCanary.php``) and SQL
+(``CRC32``) compute alike, so the bridge's poll, its workers and the shipped daemon agree
+on every row without talking to each other. A row that ever failed (``failureTime``
+set: an old-side failure, or a fallback from the new side) stays with the old side.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bridge.errors import ConfigError
+
+SCALE = 10_000  # weights in basis points: 0.01% steps
+BRIDGE, NATIVE = "bridge", "native"
+LEVELS = (BRIDGE, NATIVE)
+OPTION = "phorge-bridge.canary"
+STATE_OPTION = "phorge-bridge.canary-state"
+DEFAULT = "*"  # the key of the weights of every class not named
+DEFAULT_DWELL = 600
+HISTORY_PER_CLASS = 50
+
+# Who ran a task, as the lease owner of its archive row says (``label_of``).
+PHD, RUNNER, CONDUIT, NATIVE_RUN = "phd", "runner", "conduit", "native"
+IMPLEMENTATIONS = (PHD, RUNNER, CONDUIT, NATIVE_RUN)
+FALLBACK = "-fallback"  # suffix of a run of a row that fell back from the new side
+LABEL_ROOM = len(":" + CONDUIT + FALLBACK)  # what an owner keeps free for its label
+NEW, OLD, FELL_BACK = "new", "old", "fallback"
+
+
+def bucket(level: str, task_id: int) -> int:
+    """The task's place in 0..9999 at ``level``: ``crc32('level:id') % 10000``, the same
+    as PHP's ``crc32()`` and MySQL's ``CRC32()``."""
+    return zlib.crc32(f"{level}:{task_id}".encode()) % SCALE
+
+
+def label_of(owner: str | None) -> str | None:
+    """The implementation a lease owner names: its fifth field from the end
+    (``phd:pid:epoch:host:seq``, ``bridge:native:pid:epoch:host:seq``); None for owners
+    without one (Phorge's own taskmasters: ``pid:epoch:host:seq``)."""
+    if owner is None:
+        return None
+    fields = owner.split(":")
+    return fields[-5] if len(fields) >= 5 else None
+
+
+def labelled(owner: str, label: str) -> str:
+    """``owner`` (``prefix:pid:epoch:host:seq``) with ``label`` after its prefix."""
+    prefix, rest = owner.split(":", 1)
+    return f"{prefix}:{label}:{rest}"
+
+
+def side_of(level: str, label: str | None) -> str:
+    """Which side of ``level`` a run with ``label`` was: :data:`NEW`, :data:`OLD`, or
+    :data:`FELL_BACK` (an old-side run of a row the new side failed)."""
+    if label is not None and label.endswith(FALLBACK):
+        return FELL_BACK
+    if level == NATIVE:
+        return NEW if label == NATIVE_RUN else OLD
+    return OLD if label in (None, PHD) else NEW
+
+
+def _percent(value: Any, where: str, low_open: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(OPTION, f"{where}: expected a percentage, got {value!r}")
+    if not (0 < value <= 100 if low_open else 0 <= value <= 100):
+        raise ConfigError(
+            OPTION, f"{where}: {value!r} is outside {'(0' if low_open else '[0'}, 100]"
+        )
+    return round(value * SCALE / 100)
+
+
+@dataclass(frozen=True)
+class Ramp:
+    """A progressive schedule at one level: each step (basis points) held ``dwell`` s."""
+
+    level: str
+    steps: tuple[int, ...]
+    dwell: int = DEFAULT_DWELL
+
+
+@dataclass(frozen=True)
+class ClassWeights:
+    """A class's configured weights (basis points), before rollbacks."""
+
+    bridge: int = SCALE
+    native: int = SCALE
+    ramp: Ramp | None = None
+
+    def at(self, level: str) -> int:
+        return self.bridge if level == BRIDGE else self.native
+
+
+def _ramp(value: Any, where: str) -> Ramp:
+    if not isinstance(value, Mapping) or set(value) - {"level", "steps", "dwell"}:
+        raise ConfigError(OPTION, f"{where}.ramp: expected {{level, steps, dwell}}, got {value!r}")
+    level = value.get("level")
+    if level not in LEVELS:
+        raise ConfigError(OPTION, f"{where}.ramp.level: expected bridge or native, got {level!r}")
+    steps = value.get("steps")
+    if not isinstance(steps, list) or not steps:
+        raise ConfigError(OPTION, f"{where}.ramp.steps: expected a list of percentages")
+    bps = tuple(_percent(step, f"{where}.ramp.steps", low_open=True) for step in steps)
+    if list(bps) != sorted(set(bps)):
+        raise ConfigError(OPTION, f"{where}.ramp.steps: must rise, got {steps!r}")
+    dwell = value.get("dwell", DEFAULT_DWELL)
+    if isinstance(dwell, bool) or not isinstance(dwell, int) or dwell <= 0:
+        raise ConfigError(OPTION, f"{where}.ramp.dwell: expected seconds > 0, got {dwell!r}")
+    return Ramp(level, bps, dwell)
+
+
+def _class_weights(name: str, value: Any) -> ClassWeights:
+    if not isinstance(value, Mapping) or set(value) - {BRIDGE, NATIVE, "ramp"}:
+        raise ConfigError(
+            OPTION, f"{name}: expected an object with bridge, native or ramp, got {value!r}"
+        )
+    weights = ClassWeights(
+        bridge=_percent(value.get(BRIDGE, 100), f"{name}.bridge"),
+        native=_percent(value.get(NATIVE, 100), f"{name}.native"),
+        ramp=_ramp(value["ramp"], name) if "ramp" in value else None,
+    )
+    if weights.ramp is not None and weights.at(weights.ramp.level) != SCALE:
+        raise ConfigError(OPTION, f"{name}: a ramp sets the {weights.ramp.level} weight itself")
+    partial = [level for level in LEVELS if weights.at(level) < SCALE]
+    if weights.ramp is not None:
+        partial.append(weights.ramp.level)
+    if len(set(partial)) > 1:
+        raise ConfigError(OPTION, f"{name}: only one level may be below 100 at a time")
+    if name == DEFAULT and (weights.ramp or any(weights.at(lv) not in (0, SCALE) for lv in LEVELS)):
+        raise ConfigError(OPTION, f"{DEFAULT}: the default weights are 0 or 100, without a ramp")
+    return weights
+
+
+def parse_weights(value: Any) -> dict[str, ClassWeights]:
+    """The option's value (decoded JSON; None or ``[]`` when unset) as weights per class;
+    raises ConfigError naming the option and the class."""
+    if value in (None, [], {}):
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(OPTION, f"expected a JSON object of task classes, got {value!r}")
+    return {str(name): _class_weights(str(name), entry) for name, entry in value.items()}
+
+
+@dataclass(frozen=True)
+class LevelState:
+    """What the bridge decided for one class and level: rolled back (since when, why),
+    and the ramp step reached (since when)."""
+
+    rolled_back_at: int | None = None
+    reason: str = ""
+    step: int = 0
+    step_since: int | None = None
+
+    @property
+    def rolled_back(self) -> bool:
+        return self.rolled_back_at is not None
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of a class's history: a rollback, a promotion or a ramp step."""
+
+    at: int
+    task_class: str
+    level: str
+    event: str
+    weight: float  # percent, after the event
+    reason: str = ""
+
+
+def stored(reason: str) -> str:
+    """A reason as the state keeps it: without ``%``, which ``bin/config get`` would take
+    for a format directive of its own (it prints the value through a format string)."""
+    return reason.replace("%", " percent")
+
+
+@dataclass(frozen=True)
+class CanaryState:
+    """The bridge's record (``phorge-bridge.canary-state``)."""
+
+    levels: Mapping[tuple[str, str], LevelState] = field(default_factory=dict)
+    history: tuple[Event, ...] = ()
+
+    def of(self, task_class: str, level: str) -> LevelState:
+        return self.levels.get((task_class, level), LevelState())
+
+    @classmethod
+    def from_json(cls, value: Any) -> CanaryState:
+        """Read the option's value; raises ValueError when it is not one."""
+        if value in (None, [], {}):
+            return cls()
+        try:
+            levels = {
+                (name, level): LevelState(
+                    rolled_back_at=(entry.get("rolled_back") or {}).get("at"),
+                    reason=(entry.get("rolled_back") or {}).get("reason", ""),
+                    step=int(entry.get("step", 0)),
+                    step_since=entry.get("step_since"),
+                )
+                # PHP's json_encode() writes an empty object as [] (an empty array)
+                for name, by_level in (value.get("classes") or {}).items()
+                for level, entry in (by_level or {}).items()
+            }
+            history = tuple(
+                Event(e["at"], e["class"], e["level"], e["event"], e["weight"], e.get("reason", ""))
+                for e in value.get("history") or []
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{STATE_OPTION}: not the bridge's state: {value!r}") from exc
+        return cls(levels, history)
+
+    def to_json(self) -> dict[str, Any]:
+        classes: dict[str, dict[str, Any]] = {}
+        for (name, level), state in sorted(self.levels.items()):
+            entry: dict[str, Any] = {"step": state.step, "step_since": state.step_since}
+            if state.rolled_back:
+                entry["rolled_back"] = {"at": state.rolled_back_at, "reason": state.reason}
+            classes.setdefault(name, {})[level] = entry
+        history = [
+            {
+                "at": e.at,
+                "class": e.task_class,
+                "level": e.level,
+                "event": e.event,
+                "weight": e.weight,
+                "reason": e.reason,
+            }
+            for e in self.history
+        ]
+        return {"classes": classes, "history": history}
+
+    def _with(self, task_class: str, level: str, state: LevelState, event: Event) -> CanaryState:
+        event = replace(event, reason=stored(event.reason))
+        levels = {**self.levels, (task_class, level): state}
+        mine = [e for e in self.history if e.task_class == task_class]
+        dropped = set(map(id, mine[: max(0, len(mine) + 1 - HISTORY_PER_CLASS)]))
+        history = (*(e for e in self.history if id(e) not in dropped), event)
+        return CanaryState(levels, history)
+
+    def promoted_at(self, task_class: str, level: str) -> int | None:
+        """When an operator last promoted ``task_class`` at ``level``: the guard judges
+        only runs since then, not the failures that made the rollback."""
+        times = [
+            e.at
+            for e in self.history
+            if (e.task_class, e.level, e.event) == (task_class, level, "promote")
+        ]
+        return max(times, default=None)
+
+    def with_rollback(self, task_class: str, level: str, at: int, reason: str) -> CanaryState:
+        reason = stored(reason)
+        state = replace(self.of(task_class, level), rolled_back_at=at, reason=reason)
+        return self._with(
+            task_class, level, state, Event(at, task_class, level, "rollback", 0, reason)
+        )
+
+    def with_promotion(
+        self, task_class: str, level: str, at: int, weight: float, reason: str = ""
+    ) -> CanaryState:
+        """Rollback cleared; a ramp starts again from its first step."""
+        state = LevelState(step=0, step_since=at)
+        return self._with(
+            task_class, level, state, Event(at, task_class, level, "promote", weight, reason)
+        )
+
+    def with_step(
+        self,
+        task_class: str,
+        level: str,
+        at: int,
+        step: int,
+        weight: float,
+        reason: str = "",
+        event: str = "step",
+    ) -> CanaryState:
+        """The ramp at ``step`` from ``at`` (the guard's ``step``, an operator's
+        ``promote``)."""
+        state = replace(self.of(task_class, level), step=step, step_since=at)
+        return self._with(
+            task_class, level, state, Event(at, task_class, level, event, weight, reason)
+        )
+
+
+@dataclass(frozen=True)
+class Canary:
+    """The weights in force: configured, then ramped, then rolled back."""
+
+    weights: Mapping[str, ClassWeights] = field(default_factory=dict)
+    state: CanaryState = field(default_factory=CanaryState)
+
+    def configured(self, task_class: str) -> ClassWeights:
+        return self.weights.get(task_class) or self.weights.get(DEFAULT) or ClassWeights()
+
+    def weight(self, task_class: str, level: str) -> int:
+        """The share (basis points) of ``task_class``'s tasks the new side of ``level`` runs."""
+        configured = self.configured(task_class)
+        state = self.state.of(task_class, level)
+        if state.rolled_back:
+            return 0
+        ramp = configured.ramp
+        if ramp is not None and ramp.level == level:
+            return ramp.steps[min(state.step, len(ramp.steps) - 1)]
+        return configured.at(level)
+
+    def takes(self, level: str, task_class: str, task_id: int, failure_time: int | None) -> bool:
+        """Whether the new side of ``level`` runs this task (see the module's docstring)."""
+        weight = self.weight(task_class, level)
+        if weight >= SCALE:
+            return True
+        if weight <= 0 or failure_time is not None:
+            return False
+        return bucket(level, task_id) < weight
+
+    def level_of(self, task_class: str) -> str | None:
+        """The level at which ``task_class`` is shared (0 < weight < 100), if one is."""
+        for level in LEVELS:
+            if 0 < self.weight(task_class, level) < SCALE:
+                return level
+        return None
+
+    def partial(self) -> list[tuple[str, str, int]]:
+        """``(class, level, weight)`` of every named class shared between two sides."""
+        shared = []
+        for name in self.weights:
+            level = self.level_of(name) if name != DEFAULT else None
+            if level is not None:
+                shared.append((name, level, self.weight(name, level)))
+        return shared
+
+    @property
+    def named(self) -> list[str]:
+        """The classes the option or the state names."""
+        names = {n for n in self.weights if n != DEFAULT}
+        return sorted(names | {name for name, _ in self.state.levels})
+
+
+NO_CANARY = Canary()
+
+
+def canary_of(weights: Any, state: Any) -> Canary:
+    """The canary the two options' values (decoded JSON) make; raises ConfigError for bad
+    weights, ValueError for a state the bridge did not write."""
+    return Canary(parse_weights(weights), CanaryState.from_json(state))
+
+
+def percent(bp: int) -> float:
+    """Basis points as the percentage an operator wrote."""
+    return bp * 100 / SCALE

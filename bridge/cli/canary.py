@@ -1,0 +1,427 @@
+"""``phorge-bridge canary``: the gray migration's weights, rollbacks and figures.
+
+The operator sets the weights with Phorge's ``./bin/config set --database
+phorge-bridge.canary '<json>'``; these verbs show them, roll a class back or promote it
+(``phorge-bridge.canary-state``, the row the guard writes too), and put both sides'
+archived runs side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+import click
+from sqlalchemy import Engine
+
+from bridge.canary import sql
+from bridge.canary.guard import SideStats, Window, read_window
+from bridge.canary.store import CanaryStore
+from bridge.canary.weights import (
+    BRIDGE,
+    DEFAULT,
+    LEVELS,
+    OPTION,
+    SCALE,
+    STATE_OPTION,
+    Canary,
+    CanaryState,
+    Event,
+    percent,
+)
+from bridge.cli.tasks import stamp
+from bridge.config import ConfigError, Settings, load_settings
+from bridge.queue import make_engine
+
+OPERATOR_ROLLBACK = "rolled back by an operator"
+OPERATOR_PROMOTION = "promoted by an operator"
+
+
+class Context:
+    """What every verb needs: the settings, the worker database and the store."""
+
+    def __init__(self) -> None:
+        try:
+            self.settings: Settings = load_settings()
+        except ConfigError as exc:
+            raise click.ClickException(f"configuration error: {exc}") from None
+        self.engine: Engine = make_engine(self.settings.database_url)
+        self.store = CanaryStore.for_settings(self.engine, self.settings)
+
+    def read(self) -> Canary:
+        try:
+            return self.store.read()
+        except ConfigError as exc:
+            raise click.ClickException(f"{exc} (in {self.store.table_name})") from None
+
+    def now(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(sql.server_time()).scalar_one())
+
+    def known(self, canary: Canary, task_class: str) -> None:
+        """A usage error unless ``task_class`` is named in the options, queued, or archived
+        within the window: a typo must not roll back a class that does not exist."""
+        if task_class in canary.named:
+            return
+        window = self.settings.canary_window
+        with self.engine.connect() as conn:
+            seen = (
+                conn.execute(sql.queued(task_class)).first()
+                or conn.execute(sql.archived_since(task_class, window)).first()
+            )
+        if not seen:
+            raise click.UsageError(
+                f"unknown class {task_class!r}: {OPTION} and {STATE_OPTION} do not name it, "
+                f"and no task of it is queued or was archived in the last {window} s"
+            )
+
+
+def default_level(canary: Canary, task_class: str) -> str:
+    """The level a verb acts on without --level: the class's shared one, else the one
+    it was rolled back or configured below 100 at, else ``bridge``."""
+    shared = canary.level_of(task_class)
+    if shared is not None:
+        return shared
+    for level in LEVELS:
+        if canary.state.of(task_class, level).rolled_back:
+            return level
+    configured = canary.configured(task_class)
+    for level in LEVELS:
+        ramp = configured.ramp
+        if configured.at(level) < SCALE or (ramp is not None and ramp.level == level):
+            return level
+    return BRIDGE
+
+
+def pct(bp: int | float) -> str:
+    """Basis points as a percentage: 500 -> ``5%``, 1250 -> ``12.5%``."""
+    return f"{percent(int(bp)):g}%"
+
+
+def configured_text(canary: Canary, task_class: str, level: str) -> str:
+    configured = canary.configured(task_class)
+    ramp = configured.ramp
+    if ramp is not None and ramp.level == level:
+        steps = ",".join(f"{percent(s):g}" for s in ramp.steps)
+        return f"ramp {steps}% (dwell {ramp.dwell} s)"
+    return pct(configured.at(level))
+
+
+def ramp_text(canary: Canary, task_class: str, level: str, now: int) -> str:
+    ramp = canary.configured(task_class).ramp
+    if ramp is None or ramp.level != level:
+        return "-"
+    state = canary.state.of(task_class, level)
+    step = min(state.step, len(ramp.steps) - 1)
+    since = f" since {stamp(state.step_since, now)}" if state.step_since else ""
+    return f"step {step + 1}/{len(ramp.steps)} ({pct(ramp.steps[step])}){since}"
+
+
+def rollback_text(canary: Canary, task_class: str, level: str, now: int) -> str:
+    state = canary.state.of(task_class, level)
+    if not state.rolled_back:
+        return "-"
+    return f"since {stamp(state.rolled_back_at, now)}: {state.reason}"
+
+
+def level_json(canary: Canary, task_class: str, level: str) -> dict[str, Any]:
+    state = canary.state.of(task_class, level)
+    ramp = canary.configured(task_class).ramp
+    return {
+        "configured": percent(canary.configured(task_class).at(level)),
+        "effective": percent(canary.weight(task_class, level)),
+        "ramp": None
+        if ramp is None or ramp.level != level
+        else {
+            "steps": [percent(s) for s in ramp.steps],
+            "dwell": ramp.dwell,
+            "step": state.step,
+            "step_since": state.step_since,
+        },
+        "rolled_back": {"at": state.rolled_back_at, "reason": state.reason}
+        if state.rolled_back
+        else None,
+    }
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """Rows as aligned columns (the first row the header); the last column unpadded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return [
+        "  ".join(
+            [*(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)), row[-1]]
+        ).rstrip()
+        for row in rows
+    ]
+
+
+@click.group()
+def canary() -> None:
+    """Gray migration: the weights that send a share of a class to the new side, its
+    rollbacks and the figures of both sides (docs/operations.md, "Gray migration").
+
+    The weights are Phorge's config option phorge-bridge.canary, set with
+    ./bin/config set --database phorge-bridge.canary '<json>'.
+    """
+
+
+@canary.command()
+@click.argument("task_class", metavar="[CLASS]", required=False)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def status(task_class: str | None, as_json: bool) -> None:
+    """Each named class's configured and effective weight per level (the share of its
+    tasks the new side runs), its ramp step, and since when and why it is rolled back."""
+    ctx = Context()
+    current = ctx.read()
+    if task_class is not None:
+        ctx.known(current, task_class)
+    classes = [task_class] if task_class is not None else current.named
+    now = ctx.now()
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "table": ctx.store.table_name,
+                    "classes": {
+                        name: {level: level_json(current, name, level) for level in LEVELS}
+                        for name in classes
+                    },
+                    "default": {
+                        level: percent(current.configured(DEFAULT).at(level)) for level in LEVELS
+                    },
+                }
+            )
+        )
+        return
+    rows = [["CLASS", "LEVEL", "CONFIGURED", "EFFECTIVE", "RAMP", "ROLLED BACK"]]
+    for name in classes:
+        for level in LEVELS:
+            rows.append(
+                [
+                    name,
+                    level,
+                    configured_text(current, name, level),
+                    pct(current.weight(name, level)),
+                    ramp_text(current, name, level, now),
+                    rollback_text(current, name, level, now),
+                ]
+            )
+    if len(rows) > 1:
+        for line in table(rows):
+            click.echo(line)
+    else:
+        click.echo(f"no class is named in {OPTION} ({ctx.store.table_name})")
+    others = ", ".join(f"{level} {pct(current.configured(DEFAULT).at(level))}" for level in LEVELS)
+    click.echo(f"every other class: {others}")
+
+
+def level_option(command: Any) -> Any:
+    return click.option(
+        "--level",
+        type=click.Choice(LEVELS),
+        help="bridge (phd against the bridge) or native (PHP against a native handler); "
+        "default: the level the class is shared at, else bridge.",
+    )(command)
+
+
+@canary.command()
+@click.argument("task_class", metavar="CLASS")
+@level_option
+@click.option("--reason", default=OPERATOR_ROLLBACK, show_default=True, help="Why, for history.")
+def rollback(task_class: str, level: str | None, reason: str) -> None:
+    """Send every task of CLASS back to the old side (weight 0) until `canary promote`."""
+    ctx = Context()
+    current = ctx.read()
+    ctx.known(current, task_class)
+    level = level or default_level(current, task_class)
+    now = ctx.now()
+    was = current.state.of(task_class, level)
+
+    def change(state: CanaryState) -> CanaryState:
+        if state.of(task_class, level).rolled_back:
+            return state
+        return state.with_rollback(task_class, level, now, reason)
+
+    after = ctx.store.change_state(change)
+    if was.rolled_back:
+        click.echo(
+            f"{task_class} ({level}) was already rolled back "
+            f"{rollback_text(current, task_class, level, now)}"
+        )
+        return
+    before = pct(current.weight(task_class, level))
+    effective = pct(Canary(current.weights, after).weight(task_class, level))
+    click.echo(f"rolled back {task_class} ({level}): new side at {effective} (was {before})")
+
+
+@canary.command()
+@click.argument("task_class", metavar="CLASS")
+@level_option
+@click.option("--reason", default=OPERATOR_PROMOTION, show_default=True, help="Why, for history.")
+def promote(task_class: str, level: str | None, reason: str) -> None:
+    """Clear CLASS's rollback (a ramp starts again at its first step), or move a ramp
+    that is not rolled back to its next step."""
+    ctx = Context()
+    current = ctx.read()
+    ctx.known(current, task_class)
+    level = level or default_level(current, task_class)
+    now = ctx.now()
+    ramp = current.configured(task_class).ramp
+    if ramp is not None and ramp.level != level:
+        ramp = None
+
+    what = ""
+
+    def change(state: CanaryState) -> CanaryState:
+        nonlocal what
+        mine = state.of(task_class, level)
+        if mine.rolled_back:
+            what = "rollback cleared"
+            cleared = Canary(current.weights, state.with_promotion(task_class, level, now, 0))
+            after = percent(cleared.weight(task_class, level))
+            return state.with_promotion(task_class, level, now, after, reason)
+        if ramp is not None and mine.step + 1 < len(ramp.steps):
+            what = "next ramp step"
+            step = mine.step + 1
+            after = percent(ramp.steps[step])
+            return state.with_step(task_class, level, now, step, after, reason, event="promote")
+        what = ""
+        return state
+
+    promoted = ctx.store.change_state(change)
+    effective = pct(Canary(current.weights, promoted).weight(task_class, level))
+    if not what:
+        raise click.ClickException(
+            f"nothing to promote: {task_class} ({level}) is not rolled back"
+            + (" and its ramp is at its last step" if ramp is not None else " and has no ramp")
+            + f"; the new side runs {effective} of it"
+        )
+    click.echo(f"promoted {task_class} ({level}): {what}, new side at {effective}")
+
+
+def side_json(side: SideStats) -> dict[str, Any]:
+    return {**asdict(side), "implementations": list(side.implementations), "ratio": side.ratio}
+
+
+def event_json(event: Event) -> dict[str, Any]:
+    return {
+        "at": event.at,
+        "level": event.level,
+        "event": event.event,
+        "weight": event.weight,
+        "reason": event.reason,
+    }
+
+
+def seconds_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def ratio_text(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
+    name, level = window.task_class, window.level
+    lines = [f"{name} ({level} level), archived runs of the last {window.seconds} s"]
+    rows = [
+        [
+            "SIDE",
+            "RUNS",
+            "SUCCESS",
+            "P50",
+            "P99",
+            "TEMPORARY",
+            "PERMANENT",
+            "FALLBACKS",
+            "IMPLEMENTATIONS",
+        ]
+    ]
+    for side, stats in (("new", window.new), ("old", window.old)):
+        rows.append(
+            [
+                side,
+                str(stats.runs),
+                ratio_text(stats.ratio),
+                seconds_text(stats.p50),
+                seconds_text(stats.p99),
+                str(stats.temporary_failures),
+                str(stats.permanent_failures),
+                str(stats.fallbacks),
+                ", ".join(stats.implementations) or "-",
+            ]
+        )
+    lines += ["  " + line for line in table(rows)]
+    state = rollback_text(canary, name, level, now)
+    weight = (
+        f"weight: {pct(canary.weight(name, level))} on the new side "
+        f"(configured {configured_text(canary, name, level)})"
+    )
+    ramp = ramp_text(canary, name, level, now)
+    if ramp != "-":
+        weight += f", ramp {ramp}"
+    if state != "-":
+        weight += f", rolled back {state}"
+    lines.append(weight)
+    history = [e for e in canary.state.history if e.task_class == name]
+    if history:
+        lines.append("history:")
+        for event in history:
+            reason = f"  {event.reason}" if event.reason else ""
+            lines.append(
+                f"  {stamp(event.at, now)}  {event.level:<6}  {event.event:<8}  "
+                f"{f'{event.weight:g}%':>5}{reason}"
+            )
+    else:
+        lines.append("history: none")
+    return lines
+
+
+@canary.command()
+@click.argument("task_class", metavar="[CLASS]", required=False)
+@level_option
+@click.option(
+    "--window",
+    type=click.IntRange(min=1),
+    help="Seconds of archived runs (default: BRIDGE_CANARY_WINDOW, what the guard judges).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def report(task_class: str | None, level: str | None, window: int | None, as_json: bool) -> None:
+    """Both sides of each named class (or CLASS) side by side, over the window: runs,
+    success ratio, p50/p99 duration, temporary and permanent failures, fallbacks and
+    implementations; then the weight and its history (rollbacks, promotions, steps)."""
+    ctx = Context()
+    current = ctx.read()
+    if task_class is not None:
+        ctx.known(current, task_class)
+    classes = [task_class] if task_class is not None else current.named
+    seconds = window or ctx.settings.canary_window
+    now = ctx.now()
+    windows = [
+        read_window(
+            ctx.engine,
+            name,
+            level or default_level(current, name),
+            seconds,
+            ctx.settings.canary_window_runs,
+        )
+        for name in classes
+    ]
+    if as_json:
+        shown = []
+        for w in windows:
+            entry: dict[str, Any] = {"class": w.task_class, "level": w.level, "window": seconds}
+            entry.update(new=side_json(w.new), old=side_json(w.old))
+            entry.update(level_json(current, w.task_class, w.level))
+            entry["history"] = [
+                event_json(e) for e in current.state.history if e.task_class == w.task_class
+            ]
+            shown.append(entry)
+        click.echo(json.dumps({"classes": shown}))
+        return
+    if not windows:
+        click.echo(f"no class is named in {OPTION} ({ctx.store.table_name})")
+        return
+    blocks = ["\n".join(report_lines(current, w, now)) for w in windows]
+    click.echo("\n\n".join(blocks))

@@ -1,0 +1,61 @@
+"""``bridge.canary_guard``: beat's periodic run of the canary guard (``bridge.canary.guard``),
+on the control queue beside the polls; registered on an app by :func:`install`.
+
+Beat sends it every ``BRIDGE_CANARY_GUARD_INTERVAL`` s, only while it holds the beat
+lock (``bridge.runtime.beat``), and the guard itself runs under a database lock of its
+own, so two beats or two control workers never judge a class twice. While no class is
+shared it reads the two options and stops. Like the poll, it shows in no task event and
+Celery's INFO lines about it are dropped (``quiet_polls``): one a second would fill
+Flower and the log; its rollbacks log their own ERROR line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from celery import Celery, Task
+
+from bridge.assembly import runtime
+from bridge.canary.guard import guard_once
+from bridge.canary.store import CanaryStore
+from bridge.errors import DatabaseUnavailable
+from bridge.queue.retry import is_transient
+from bridge.runtime.quiet_polls import QuietTask
+from bridge.runtime.tasks import GUARD_TASK
+
+log = logging.getLogger(__name__)
+
+GUARD_ENTRY = "canary-guard"  # its name in beat's schedule
+
+_stores: dict[int, CanaryStore] = {}
+
+
+def store() -> CanaryStore:
+    """This process's store of the canary options (a fresh one in each forked child)."""
+    pid = os.getpid()
+    if pid not in _stores:
+        rt = runtime()
+        _stores.clear()
+        _stores[pid] = CanaryStore.for_settings(rt.queue.engine, rt.settings)
+    return _stores[pid]
+
+
+def canary_guard(self: Task[Any, Any]) -> list[str]:
+    """Run the guard once; returns what it did (rollbacks, ramp steps)."""
+    rt = runtime()
+    try:
+        return guard_once(store(), rt.queue.engine, rt.settings)
+    except Exception as exc:
+        if not (isinstance(exc, DatabaseUnavailable) or is_transient(exc)):
+            raise
+        log.warning("canary guard skipped: database unavailable: %s", exc)
+        return []
+
+
+def install(app: Celery) -> None:
+    """Register ``bridge.canary_guard`` on ``app`` (beat sends it, see ``celeryconfig``)."""
+    app.task(name=GUARD_TASK, base=QuietTask, bind=True, acks_late=False, ignore_result=True)(
+        canary_guard
+    )

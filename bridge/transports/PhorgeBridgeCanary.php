@@ -1,0 +1,618 @@
+<?php
+
+/**
+ * phorge-bridge: the gray migration's weights, as PHP reads them.
+ *
+ * Two config options, kept in Phorge's config table (config_entry) and defined
+ * by PhorgeBridgeCanaryConfigOptions.php:
+ *
+ *   - phorge-bridge.canary: the operator's weights per task class and level,
+ *     set with "./bin/config set --database phorge-bridge.canary '{...}'";
+ *   - phorge-bridge.canary-state: written by the bridge alone (rollbacks and
+ *     ramp steps).
+ *
+ * A weight is the share of a class's tasks the NEW side of a level runs: at
+ * the "bridge" level the bridge (the old side being phd, here the shipped
+ * PhorgeBridgeQueueDaemon), at the "native" level a native handler inside
+ * the bridge. Which task goes where is a hash of its id that PHP, Python and
+ * SQL compute alike (bucket()), so the daemon and the bridge agree on every
+ * row without talking to each other. This class mirrors the bridge's Python
+ * (bridge/canary/weights.py): keep them in step.
+ *
+ * The options are read from the table itself, not through PhabricatorEnv (a
+ * process reads its configuration once), at most once a second: a rollback the
+ * bridge writes reaches a running daemon within about a second. A value that
+ * can not be read is logged once and the last good one stays in force (none
+ * at all at the first read: no canary).
+ *
+ * Installed with the other extension files by "phorge-bridge phorge
+ * install-extension"; do not edit the installed copy. Written for PHP 7.2
+ * (Phorge's minimum).
+ */
+if (!class_exists('PhorgeBridgeCanary', false)) {
+
+/**
+ * A value of phorge-bridge.canary or phorge-bridge.canary-state that is not
+ * one; the message names the option and, for a weight, the class.
+ */
+final class PhorgeBridgeCanaryConfigException extends Exception {}
+
+final class PhorgeBridgeCanary {
+
+  const OPTION = 'phorge-bridge.canary';
+  const STATE_OPTION = 'phorge-bridge.canary-state';
+
+  const LEVEL_BRIDGE = 'bridge';
+  const LEVEL_NATIVE = 'native';
+
+  // The key of the weights of every class not named (0 or 100 only).
+  const DEFAULT_CLASS = '*';
+
+  // Weights in basis points: 0.01% steps.
+  const SCALE = 10000;
+  const DEFAULT_DWELL = 600;
+
+  // Seconds a read of the options is used before reading them again.
+  const REFRESH_SECONDS = 1.0;
+
+  /**
+   * Configured weights, per class: array('bridge' => bp, 'native' => bp,
+   * 'ramp' => null or array('level' => ..., 'steps' => list of bp, 'dwell'
+   * => seconds)).
+   */
+  private $weights = array();
+
+  /**
+   * The bridge's state, per class and level: array('rolledBack' => bool,
+   * 'step' => int).
+   */
+  private $state = array();
+
+  // The reader: when the options were last read, the raw JSON last accepted
+  // and the raw JSON whose problem was last logged, per option.
+  private $readAt = null;
+  private $accepted = array();
+  private $rejected = array();
+
+
+/* -(  The choice  )--------------------------------------------------------- */
+
+
+  /**
+   * The task's place in 0..9999 at a level: crc32("level:id") % 10000, as the
+   * bridge's Python (zlib.crc32) and SQL (CRC32(CONCAT('bridge:', id))).
+   */
+  public static function bucket($level, $task_id) {
+    $crc = crc32($level.':'.$task_id);
+    if ($crc < 0) {
+      // 32-bit PHP: crc32() is signed there.
+      $crc += 4294967296;
+    }
+    return (int)fmod($crc, self::SCALE);
+  }
+
+  /**
+   * The canary the two options' values (decoded JSON, null when unset) make;
+   * throws PhorgeBridgeCanaryConfigException for a bad value.
+   */
+  public static function newFromValues($weights, $state) {
+    $canary = new self();
+    $canary->weights = self::parseWeights($weights);
+    $canary->state = self::parseState($state);
+    return $canary;
+  }
+
+  /**
+   * The share (basis points) of the class's tasks the new side of the level
+   * runs: configured (or the "*" default, or 100%), then ramped (the step
+   * the bridge reached), then 0 while rolled back.
+   */
+  public function getWeight($task_class, $level) {
+    $state = $this->getLevelState($task_class, $level);
+    if ($state['rolledBack']) {
+      return 0;
+    }
+    $configured = $this->getConfigured($task_class);
+    $ramp = $configured['ramp'];
+    if ($ramp !== null && $ramp['level'] === $level) {
+      $steps = $ramp['steps'];
+      $step = max(0, min((int)$state['step'], count($steps) - 1));
+      return $steps[$step];
+    }
+    return $configured[$level];
+  }
+
+  /**
+   * Whether the new side of the level runs this task. A row that ever failed
+   * (failureTime set: an old-side failure, or a fallback from the new side)
+   * stays with the old side, unless the new side takes the whole class.
+   */
+  public function takes($level, $task_class, $task_id, $failure_time) {
+    $weight = $this->getWeight($task_class, $level);
+    if ($weight >= self::SCALE) {
+      return true;
+    }
+    if ($weight <= 0 || $failure_time !== null) {
+      return false;
+    }
+    return (self::bucket($level, $task_id) < $weight);
+  }
+
+  /**
+   * The SQL condition (on worker_activetask's columns, unqualified) true for
+   * the rows the OLD side of the bridge level runs: the rows phd (the shipped
+   * daemon) may lease. Null when it runs none (nothing to lease at all).
+   */
+  public function newOldSideCondition(AphrontDatabaseConnection $conn) {
+    $level = self::LEVEL_BRIDGE;
+    // Classes not named have the "*" weights (no ramp, no state), or 100%.
+    $default = self::SCALE;
+    if (isset($this->weights[self::DEFAULT_CLASS])) {
+      $default = $this->weights[self::DEFAULT_CLASS][$level];
+    }
+
+    // Named classes (by the weights or the state), grouped by weight.
+    $by_weight = array();
+    foreach ($this->getNamedClasses() as $task_class) {
+      $by_weight[$this->getWeight($task_class, $level)][] = $task_class;
+    }
+
+    $none = array();
+    $all = array();
+    $shared = array();
+    foreach ($by_weight as $weight => $classes) {
+      if ($weight >= self::SCALE) {
+        $none = array_merge($none, $classes);
+      } else if ($weight <= 0) {
+        $all = array_merge($all, $classes);
+      } else {
+        $shared[$weight] = $classes;
+      }
+    }
+
+    $parts = array();
+    if ($default >= self::SCALE) {
+      // Only the classes named below 100% are (partly) phd's.
+      if ($all) {
+        $parts[] = qsprintf($conn, 'taskClass IN (%Ls)', $all);
+      }
+      foreach ($shared as $weight => $classes) {
+        $parts[] = qsprintf(
+          $conn,
+          '(taskClass IN (%Ls) AND %Q)',
+          $classes,
+          self::newOldShareCondition($conn, $level, $weight));
+      }
+      if (!$parts) {
+        return null;
+      }
+      return qsprintf($conn, '(%LO)', $parts);
+    }
+
+    // Everything is phd's but the classes named above 0%.
+    if ($none) {
+      $parts[] = qsprintf($conn, 'taskClass NOT IN (%Ls)', $none);
+    }
+    foreach ($shared as $weight => $classes) {
+      $parts[] = qsprintf(
+        $conn,
+        '(taskClass NOT IN (%Ls) OR %Q)',
+        $classes,
+        self::newOldShareCondition($conn, $level, $weight));
+    }
+    if (!$parts) {
+      return qsprintf($conn, '1 = 1');
+    }
+    return qsprintf($conn, '(%LA)', $parts);
+  }
+
+  // The old side's rows of a class shared at $weight: the sticky ones (that
+  // ever failed or fell back) and those whose bucket is at or above the weight.
+  private static function newOldShareCondition(
+    AphrontDatabaseConnection $conn,
+    $level,
+    $weight) {
+
+    return qsprintf(
+      $conn,
+      '(failureTime IS NOT NULL OR MOD(CRC32(CONCAT(%s, id)), %d) >= %d)',
+      $level.':',
+      self::SCALE,
+      $weight);
+  }
+
+  /**
+   * The classes the weights or the state name (the "*" default aside).
+   */
+  public function getNamedClasses() {
+    $names = array();
+    foreach ($this->weights as $name => $ignored) {
+      if ((string)$name !== self::DEFAULT_CLASS) {
+        $names[(string)$name] = true;
+      }
+    }
+    foreach ($this->state as $name => $ignored) {
+      $names[(string)$name] = true;
+    }
+    $names = array_keys($names);
+    sort($names, SORT_STRING);
+    return $names;
+  }
+
+  private function getConfigured($task_class) {
+    if (isset($this->weights[$task_class])) {
+      return $this->weights[$task_class];
+    }
+    if (isset($this->weights[self::DEFAULT_CLASS])) {
+      return $this->weights[self::DEFAULT_CLASS];
+    }
+    return self::newClassWeights();
+  }
+
+  private function getLevelState($task_class, $level) {
+    if (isset($this->state[$task_class][$level])) {
+      return $this->state[$task_class][$level];
+    }
+    return array('rolledBack' => false, 'step' => 0);
+  }
+
+  private static function newClassWeights() {
+    return array(
+      self::LEVEL_BRIDGE => self::SCALE,
+      self::LEVEL_NATIVE => self::SCALE,
+      'ramp' => null,
+    );
+  }
+
+
+/* -(  Reading the options  )------------------------------------------------ */
+
+
+  /**
+   * This canary, re-read from the config table if the last read is older
+   * than a second. Never throws: a database error or a bad value is logged
+   * and the values in force stay.
+   */
+  public function refresh() {
+    $now = microtime(true);
+    if ($this->readAt !== null &&
+        $now >= $this->readAt &&
+        $now - $this->readAt < self::REFRESH_SECONDS) {
+      return $this;
+    }
+    $this->readAt = $now;
+
+    try {
+      $raw = self::readOptions();
+    } catch (Throwable $ex) {
+      phlog(
+        new Exception(
+          pht(
+            'phorge-bridge: can not read "%s" from the config table; the '.
+            'canary weights in force stay.',
+            self::OPTION),
+          0,
+          $ex));
+      return $this;
+    }
+
+    $this->accept(self::OPTION, idx($raw, self::OPTION));
+    $this->accept(self::STATE_OPTION, idx($raw, self::STATE_OPTION));
+    return $this;
+  }
+
+  private function accept($option, $raw) {
+    $key = ($raw === null) ? null : (string)$raw;
+    if (array_key_exists($option, $this->accepted) &&
+        $this->accepted[$option] === $key) {
+      return;
+    }
+
+    try {
+      $value = self::decodeValue($option, $key);
+      if ($option === self::OPTION) {
+        $this->weights = self::parseWeights($value);
+      } else {
+        $this->state = self::parseState($value);
+      }
+    } catch (PhorgeBridgeCanaryConfigException $ex) {
+      if (!array_key_exists($option, $this->rejected) ||
+          $this->rejected[$option] !== $key) {
+        $this->rejected[$option] = $key;
+        phlog(
+          pht(
+            'phorge-bridge: ignoring the value of "%s" (%s); the last good '.
+            'value stays in force.',
+            $option,
+            $ex->getMessage()));
+      }
+      return;
+    }
+
+    $this->accepted[$option] = $key;
+    unset($this->rejected[$option]);
+  }
+
+  /**
+   * The two options' raw JSON as the config table holds them (an option not
+   * set, or deleted, is absent), read on the write connection: a replica
+   * could lag behind a rollback.
+   */
+  public static function readOptions() {
+    $table = new PhabricatorConfigEntry();
+    $conn = $table->establishConnection('w');
+    $rows = queryfx_all(
+      $conn,
+      'SELECT configKey, value FROM %T
+        WHERE namespace = %s AND configKey IN (%Ls) AND isDeleted = 0',
+      $table->getTableName(),
+      'default',
+      array(self::OPTION, self::STATE_OPTION));
+    return ipull($rows, 'value', 'configKey');
+  }
+
+  private static function decodeValue($option, $raw) {
+    if ($raw === null) {
+      return null;
+    }
+    $value = json_decode($raw, true);
+    if ($value === null && json_last_error() !== JSON_ERROR_NONE) {
+      throw new PhorgeBridgeCanaryConfigException(
+        pht('%s: not JSON: %s', $option, json_last_error_msg()));
+    }
+    return $value;
+  }
+
+
+/* -(  Parsing the values  )------------------------------------------------- */
+
+
+  /**
+   * phorge-bridge.canary's value (decoded JSON; null or an empty array when
+   * unset) as weights per class, checked as the bridge checks them.
+   */
+  public static function parseWeights($value) {
+    if ($value === null || $value === array()) {
+      return array();
+    }
+    if (!is_array($value) || self::isList($value)) {
+      throw self::newWeightsException(
+        pht(
+          'expected a JSON object of task classes, got %s',
+          self::describe($value)));
+    }
+    $weights = array();
+    foreach ($value as $name => $entry) {
+      $weights[(string)$name] = self::parseClassWeights((string)$name, $entry);
+    }
+    return $weights;
+  }
+
+  private static function parseClassWeights($name, $value) {
+    $known = array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE, 'ramp');
+    if (!is_array($value) || self::isList($value) ||
+        array_diff(array_keys($value), $known)) {
+      throw self::newWeightsException(
+        pht(
+          '%s: expected an object with bridge, native or ramp, got %s',
+          $name,
+          self::describe($value)));
+    }
+
+    $weights = array(
+      self::LEVEL_BRIDGE => self::parsePercent(
+        idx($value, self::LEVEL_BRIDGE, 100),
+        $name.'.'.self::LEVEL_BRIDGE,
+        false),
+      self::LEVEL_NATIVE => self::parsePercent(
+        idx($value, self::LEVEL_NATIVE, 100),
+        $name.'.'.self::LEVEL_NATIVE,
+        false),
+      'ramp' => null,
+    );
+    if (array_key_exists('ramp', $value)) {
+      $weights['ramp'] = self::parseRamp($name, $value['ramp']);
+    }
+
+    $ramp = $weights['ramp'];
+    if ($ramp !== null && $weights[$ramp['level']] !== self::SCALE) {
+      throw self::newWeightsException(
+        pht('%s: a ramp sets the %s weight itself', $name, $ramp['level']));
+    }
+
+    $partial = array();
+    foreach (array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE) as $level) {
+      if ($weights[$level] < self::SCALE) {
+        $partial[$level] = true;
+      }
+    }
+    if ($ramp !== null) {
+      $partial[$ramp['level']] = true;
+    }
+    if (count($partial) > 1) {
+      throw self::newWeightsException(
+        pht('%s: only one level may be below 100 at a time', $name));
+    }
+
+    if ($name === self::DEFAULT_CLASS) {
+      $whole = array(0, self::SCALE);
+      if ($ramp !== null ||
+          !in_array($weights[self::LEVEL_BRIDGE], $whole, true) ||
+          !in_array($weights[self::LEVEL_NATIVE], $whole, true)) {
+        throw self::newWeightsException(
+          pht(
+            '%s: the default weights are 0 or 100, without a ramp',
+            self::DEFAULT_CLASS));
+      }
+    }
+
+    return $weights;
+  }
+
+  private static function parseRamp($name, $value) {
+    $where = $name.'.ramp';
+    if (!is_array($value) || self::isList($value) ||
+        array_diff(array_keys($value), array('level', 'steps', 'dwell'))) {
+      throw self::newWeightsException(
+        pht(
+          '%s: expected {level, steps, dwell}, got %s',
+          $where,
+          self::describe($value)));
+    }
+
+    $level = idx($value, 'level');
+    if ($level !== self::LEVEL_BRIDGE && $level !== self::LEVEL_NATIVE) {
+      throw self::newWeightsException(
+        pht(
+          '%s.level: expected bridge or native, got %s',
+          $where,
+          self::describe($level)));
+    }
+
+    $steps = idx($value, 'steps');
+    if (!is_array($steps) || !$steps || !self::isList($steps)) {
+      throw self::newWeightsException(
+        pht('%s.steps: expected a list of percentages', $where));
+    }
+    $points = array();
+    foreach ($steps as $step) {
+      $points[] = self::parsePercent($step, $where.'.steps', true);
+    }
+    $rising = array_values(array_unique($points));
+    sort($rising);
+    if ($rising !== $points) {
+      throw self::newWeightsException(
+        pht('%s.steps: must rise, got %s', $where, self::describe($steps)));
+    }
+
+    $dwell = idx($value, 'dwell', self::DEFAULT_DWELL);
+    if (!is_int($dwell) || $dwell <= 0) {
+      throw self::newWeightsException(
+        pht(
+          '%s.dwell: expected seconds > 0, got %s',
+          $where,
+          self::describe($dwell)));
+    }
+
+    return array('level' => $level, 'steps' => $points, 'dwell' => $dwell);
+  }
+
+  // A percentage (0..100, or (0..100] for a ramp step) in basis points,
+  // rounded as the bridge rounds it.
+  private static function parsePercent($value, $where, $low_open) {
+    if (!(is_int($value) || is_float($value)) || !is_finite((float)$value)) {
+      throw self::newWeightsException(
+        pht('%s: expected a percentage, got %s', $where, self::describe($value)));
+    }
+    $inside = $low_open ?
+      ($value > 0 && $value <= 100) :
+      ($value >= 0 && $value <= 100);
+    if (!$inside) {
+      throw self::newWeightsException(
+        pht(
+          '%s: %s is outside %s, 100]',
+          $where,
+          self::describe($value),
+          $low_open ? '(0' : '[0'));
+    }
+    return self::roundHalfEven($value * self::SCALE / 100);
+  }
+
+  // Python's round() of a float: the nearest integer, a tie to the even one,
+  // of the exact binary value (PHP's round() pre-rounds, so it can differ).
+  private static function roundHalfEven($value) {
+    $floor = floor($value);
+    $fraction = $value - $floor;
+    if ($fraction > 0.5) {
+      return (int)$floor + 1;
+    }
+    if ($fraction < 0.5) {
+      return (int)$floor;
+    }
+    return ((int)$floor % 2 === 0) ? (int)$floor : (int)$floor + 1;
+  }
+
+  /**
+   * phorge-bridge.canary-state's value (decoded JSON; null or an empty array
+   * when unset): per class and level, whether it is rolled back (its
+   * "rolled_back" has an "at") and the ramp step reached. The history is the
+   * bridge's to read.
+   */
+  public static function parseState($value) {
+    if ($value === null || $value === array()) {
+      return array();
+    }
+    if (!is_array($value) || self::isList($value)) {
+      throw self::newStateException($value);
+    }
+    $classes = idx($value, 'classes', array());
+    if (!is_array($classes) || ($classes && self::isList($classes))) {
+      throw self::newStateException($value);
+    }
+    $history = idx($value, 'history', array());
+    if (!is_array($history) || ($history && !self::isList($history))) {
+      throw self::newStateException($value);
+    }
+    foreach ($history as $event) {
+      $fields = array('at', 'class', 'level', 'event', 'weight');
+      if (!is_array($event) ||
+          count(array_intersect_key($event, array_fuse($fields))) !== 5) {
+        throw self::newStateException($value);
+      }
+    }
+
+    $state = array();
+    foreach ($classes as $name => $levels) {
+      if (!is_array($levels) || ($levels && self::isList($levels))) {
+        throw self::newStateException($value);
+      }
+      foreach ($levels as $level => $entry) {
+        if (!is_array($entry) || ($entry && self::isList($entry))) {
+          throw self::newStateException($value);
+        }
+        // As the bridge reads it: rolled back once "rolled_back" has an "at".
+        $rolled_back = idx($entry, 'rolled_back');
+        if ($rolled_back && (!is_array($rolled_back) || self::isList($rolled_back))) {
+          throw self::newStateException($value);
+        }
+        $step = idx($entry, 'step', 0);
+        if (is_string($step) && preg_match('/^\s*[+-]?\d+\s*\z/', $step)) {
+          $step = (int)trim($step);
+        }
+        if (!is_int($step) && !is_float($step) && !is_bool($step)) {
+          throw self::newStateException($value);
+        }
+        $state[(string)$name][(string)$level] = array(
+          'rolledBack' => ($rolled_back && idx($rolled_back, 'at') !== null),
+          'step' => (int)$step,
+        );
+      }
+    }
+    return $state;
+  }
+
+  private static function isList(array $value) {
+    return ($value === array() ||
+      array_keys($value) === range(0, count($value) - 1));
+  }
+
+  private static function describe($value) {
+    $json = @json_encode($value);
+    return ($json === false) ? gettype($value) : $json;
+  }
+
+  private static function newWeightsException($problem) {
+    return new PhorgeBridgeCanaryConfigException(self::OPTION.': '.$problem);
+  }
+
+  private static function newStateException($value) {
+    return new PhorgeBridgeCanaryConfigException(
+      pht(
+        "%s: not the bridge's state: %s",
+        self::STATE_OPTION,
+        self::describe($value)));
+  }
+
+}
+
+}

@@ -1,0 +1,405 @@
+<?php
+
+/**
+ * phorge-bridge: a taskmaster daemon that honours the gray migration's
+ * weights. Run it in place of Phorge's own taskmasters:
+ *
+ *   ./bin/config set phd.taskmasters 0      (then restart phd)
+ *   ./bin/phd launch 4 PhorgeBridgeQueueDaemon
+ *
+ * (or "./bin/phd debug PhorgeBridgeQueueDaemon" in the foreground; its name
+ * holds no "taskmaster", so "./bin/phd debug taskmaster" still names Phorge's
+ * own alone). It works like PhabricatorTaskmasterDaemon: it leases one task at a time, in
+ * Phorge's two phases, runs it with PhabricatorWorkerActiveTask::executeTask()
+ * (so every outcome is recorded exactly as Phorge records it), and sleeps a
+ * second when there is nothing to do. But it leaves alone the rows the
+ * weights (phorge-bridge.canary, PhorgeBridgeCanary.php) give to the bridge,
+ * and takes everything else: the classes the bridge does not run, and the
+ * old side's share of those it shares.
+ *
+ * Where it differs from Phorge's taskmaster, it does as the bridge does (the
+ * bridge's docs/architecture.md):
+ *
+ *   - a delayed task (no owner, expiry in the future) waits for its time;
+ *   - the lease owner is "phd:<pid>:<epoch>:<host>:<seq>" (the epoch the
+ *     database's clock), "phd-fallback:..." for a row that fell back from the
+ *     bridge (failureTime set, failureCount 0), so the archive tells who ran
+ *     each task;
+ *   - a task's temporary failure is logged and the daemon goes on (Phorge's
+ *     taskmaster exits and is restarted by the overseer); so does any other
+ *     error, which is logged.
+ *
+ * PhabricatorTaskmasterDaemon and PhabricatorWorkerLeaseQuery are final, so
+ * the lease is written here on Phorge's public pieces. Installed next to
+ * PhorgeBridgeCanary.php by "phorge-bridge phorge install-extension"; Phorge
+ * includes src/extensions/ into its class map, so bin/phd finds the daemon by
+ * name. Do not edit the installed copy. Written for PHP 7.2 (Phorge's
+ * minimum).
+ */
+require_once dirname(__FILE__).'/PhorgeBridgeCanary.php';
+
+final class PhorgeBridgeQueueDaemon extends PhabricatorDaemon {
+
+  const LABEL = 'phd';
+  const FALLBACK_LABEL = 'phd-fallback';
+  const OWNER_BYTES = 64;
+
+  const PHASE_UNLEASED = 'unleased';
+  const PHASE_EXPIRED = 'expired';
+
+  private $canary;
+
+  protected function run() {
+    $this->canary = new PhorgeBridgeCanary();
+
+    do {
+      PhabricatorCaches::destroyRequestCache();
+
+      $task = null;
+      $raced = false;
+      try {
+        $task = self::leaseTask($this->canary->refresh(), $raced);
+      } catch (Throwable $ex) {
+        phlog(
+          new Exception(
+            pht('%s could not lease a task.', __CLASS__),
+            0,
+            $ex));
+      }
+
+      if ($task) {
+        $this->willBeginWork();
+        $this->executeLeasedTask($task);
+        $sleep = 0;
+      } else if ($raced) {
+        // Another taskmaster took the row we chose: there may be more.
+        $sleep = 0;
+      } else {
+        // As PhabricatorTaskmasterDaemon: the last daemon of a pool
+        // hibernates after a while (the overseer module below wakes it up
+        // when there is work for it), the others scale down.
+        if ($this->getIdleDuration() > 15) {
+          $hibernate_duration = phutil_units('3 minutes in seconds');
+          if ($this->shouldHibernate($hibernate_duration)) {
+            break;
+          }
+        }
+        $this->willBeginIdle();
+        $sleep = 1;
+      }
+
+      $this->sleep($sleep);
+    } while (!$this->shouldExit());
+  }
+
+  private function executeLeasedTask(PhabricatorWorkerActiveTask $task) {
+    $id = $task->getID();
+    $class = $task->getTaskClass();
+    $this->log(
+      pht(
+        'Working on task %d (%s) as %s...',
+        $id,
+        $class,
+        $task->getLeaseOwner()));
+
+    try {
+      $task = $task->executeTask();
+    } catch (Throwable $ex) {
+      // Not the task's own failure (executeTask() records those): the lease
+      // ran out, the database went away, or its follow-up tasks could not
+      // be queued after it was archived. The row is left as it is.
+      phlog(
+        new Exception(
+          pht('Error while executing task %d (%s).', $id, $class),
+          0,
+          $ex));
+      return;
+    }
+
+    $ex = $task->getExecutionException();
+    if (!$ex) {
+      $this->log(pht('Task %d complete! Moved to archive.', $id));
+    } else if ($ex instanceof PhabricatorWorkerPermanentFailureException) {
+      phlog(
+        new Exception(
+          pht(
+            'Task "%s" encountered a permanent failure and was cancelled.',
+            $id),
+          0,
+          $ex));
+    } else if ($ex instanceof PhabricatorWorkerYieldException) {
+      $this->log(pht('Task %s yielded.', $id));
+    } else {
+      phlog(
+        new Exception(
+          pht(
+            'Task %d (%s) failed; it will be retried.',
+            $id,
+            $class),
+          0,
+          $ex));
+    }
+  }
+
+
+/* -(  The lease  )---------------------------------------------------------- */
+
+
+  /**
+   * Lease one task the old side may run, as PhabricatorWorkerLeaseQuery does
+   * with a limit of 1: the first due unleased row (priority, id), else the
+   * row whose lease expired first. Returns the task with its data, or null;
+   * $raced says whether a row was chosen but another leaser took it first.
+   */
+  public static function leaseTask(PhorgeBridgeCanary $canary, &$raced) {
+    $raced = false;
+    $table = new PhabricatorWorkerActiveTask();
+    $conn = $table->establishConnection('w');
+
+    $share = $canary->newOldSideCondition($conn);
+    if ($share === null) {
+      // The bridge takes every class: nothing is ours.
+      return null;
+    }
+
+    foreach (array(self::PHASE_UNLEASED, self::PHASE_EXPIRED) as $phase) {
+      // As Phorge: SELECT the candidate, then take it with an UPDATE that
+      // repeats the condition; only a row the UPDATE changed is ours.
+      $row = self::selectCandidate($conn, $phase, $share);
+      if (!$row) {
+        continue;
+      }
+
+      $owner = self::newLeaseOwner($row);
+      queryfx(
+        $conn,
+        'UPDATE %T SET leaseOwner = %s, leaseExpires = UNIX_TIMESTAMP() + %d
+          WHERE %Q',
+        $table->getTableName(),
+        $owner,
+        PhabricatorWorkerLeaseQuery::getDefaultLeaseDuration(),
+        self::newTakeCondition($conn, $phase, $row));
+      if (!$conn->getAffectedRows()) {
+        $raced = true;
+        continue;
+      }
+
+      $task = self::loadLeasedTask($conn, $owner);
+      if ($task) {
+        $raced = false;
+        return $task;
+      }
+    }
+
+    return null;
+  }
+
+  /**
+   * The first row of a phase that the old side may run, in Phorge's order.
+   *
+   * One statement, as Phorge's (the optimizer reads key_owner or
+   * leaseExpires in order and stops at the first row the weights give to
+   * the old side; or, for a few named classes, their rows through the
+   * taskClass index). What it cannot avoid: with only a few classes named at
+   * the old side, every unleased row of the bridge's classes ahead of theirs
+   * is read past, so a large backlog left by a stopped bridge makes each
+   * lease (and each idle poll) read through it.
+   */
+  private static function selectCandidate(
+    AphrontDatabaseConnection $conn,
+    $phase,
+    PhutilQueryString $share) {
+
+    $table = new PhabricatorWorkerActiveTask();
+    return queryfx_one(
+      $conn,
+      'SELECT id, leaseOwner, failureTime, failureCount,
+          UNIX_TIMESTAMP() AS serverTime
+        FROM %T WHERE %Q AND %Q %Q LIMIT 1',
+      $table->getTableName(),
+      self::newPhaseCondition($conn, $phase),
+      $share,
+      self::newPhaseOrder($conn, $phase));
+  }
+
+  /**
+   * Whether there is a row leaseTask() would take now (the overseer asks,
+   * to wake a hibernating pool).
+   */
+  public static function hasTaskToLease(PhorgeBridgeCanary $canary) {
+    $table = new PhabricatorWorkerActiveTask();
+    $conn = $table->establishConnection('r');
+    $share = $canary->newOldSideCondition($conn);
+    if ($share === null) {
+      return false;
+    }
+    $row = queryfx_one(
+      $conn,
+      'SELECT id FROM %T WHERE (%Q OR %Q) AND %Q LIMIT 1',
+      $table->getTableName(),
+      self::newPhaseCondition($conn, self::PHASE_UNLEASED),
+      self::newPhaseCondition($conn, self::PHASE_EXPIRED),
+      $share);
+    return (bool)$row;
+  }
+
+  // Phase 1, unleased and due (the bridge honours delays; Phorge's query
+  // does not look at leaseExpires here). Phase 2, owned and expired (a lease
+  // of a dead worker, a retry wait or a yield that ran out); a row without an
+  // owner is phase 1's once it is due.
+  private static function newPhaseCondition(
+    AphrontDatabaseConnection $conn,
+    $phase) {
+
+    switch ($phase) {
+      case self::PHASE_UNLEASED:
+        return qsprintf(
+          $conn,
+          'leaseOwner IS NULL
+            AND (leaseExpires IS NULL OR leaseExpires <= UNIX_TIMESTAMP())');
+      case self::PHASE_EXPIRED:
+        return qsprintf(
+          $conn,
+          'leaseOwner IS NOT NULL AND leaseExpires < UNIX_TIMESTAMP()');
+    }
+    throw new Exception(pht('Unknown phase "%s"!', $phase));
+  }
+
+  // Phorge's orders: new tasks by priority, then FIFO; expired ones by their
+  // expiry, so a task that keeps failing goes to the back.
+  private static function newPhaseOrder(
+    AphrontDatabaseConnection $conn,
+    $phase) {
+
+    if ($phase === self::PHASE_UNLEASED) {
+      return qsprintf($conn, 'ORDER BY priority ASC, id ASC');
+    }
+    return qsprintf($conn, 'ORDER BY leaseExpires ASC');
+  }
+
+  // The UPDATE's guard: the row as the SELECT saw it. Phase 1 repeats "no
+  // owner, due"; phase 2 the owner seen (never "= NULL", which matches
+  // nothing) and the expiry. Both repeat the failure columns, so the owner's
+  // label (fallback or not) is the one the row had when it was taken.
+  private static function newTakeCondition(
+    AphrontDatabaseConnection $conn,
+    $phase,
+    array $row) {
+
+    $parts = array(
+      qsprintf($conn, 'id = %d', $row['id']),
+      self::newPhaseCondition($conn, $phase),
+      qsprintf($conn, 'failureCount = %d', $row['failureCount']),
+    );
+    if ($phase === self::PHASE_EXPIRED) {
+      $parts[] = qsprintf($conn, 'leaseOwner = %s', $row['leaseOwner']);
+    }
+    if ($row['failureTime'] === null) {
+      $parts[] = qsprintf($conn, 'failureTime IS NULL');
+    } else {
+      $parts[] = qsprintf($conn, 'failureTime = %d', $row['failureTime']);
+    }
+    return qsprintf($conn, '%LA', $parts);
+  }
+
+  /**
+   * The leased row with its data, as PhabricatorWorkerLeaseQuery loads it:
+   * the server's clock (for the lease checks of executeTask()) and the data
+   * decoded as Phorge decodes it.
+   */
+  private static function loadLeasedTask(
+    AphrontDatabaseConnection $conn,
+    $owner) {
+
+    $task_table = new PhabricatorWorkerActiveTask();
+    $taskdata_table = new PhabricatorWorkerTaskData();
+
+    $data = queryfx_all(
+      $conn,
+      'SELECT task.*, taskdata.data _taskData, UNIX_TIMESTAMP() _serverTime
+        FROM %T task LEFT JOIN %T taskdata
+          ON taskdata.id = task.dataID
+        WHERE task.leaseOwner = %s AND task.leaseExpires > UNIX_TIMESTAMP()',
+      $task_table->getTableName(),
+      $taskdata_table->getTableName(),
+      $owner);
+    if (!$data) {
+      return null;
+    }
+
+    $row = head($data);
+    $task = $task_table->loadFromArray($row);
+    $task->setServerTime($row['_serverTime']);
+    // As Phorge (an empty or "0" data column reads as null there too).
+    if ($row['_taskData']) {
+      $task->setData(json_decode($row['_taskData'], true));
+    } else {
+      $task->setData(null);
+    }
+    return $task;
+  }
+
+  /**
+   * "phd:<pid>:<epoch>:<host>:<seq>" (at most 64 bytes: only the host is
+   * cut), "phd-fallback:..." when the row fell back from the bridge: it has
+   * a failureTime but no failure. The epoch is the database's clock.
+   */
+  public static function newLeaseOwner(array $row) {
+    static $sequence = 0;
+
+    $fallback = ($row['failureTime'] !== null &&
+      (int)$row['failureCount'] === 0);
+    $label = $fallback ? self::FALLBACK_LABEL : self::LABEL;
+
+    $head = $label.':'.getmypid().':'.(int)$row['serverTime'].':';
+    $tail = ':'.(++$sequence);
+    $room = max(1, self::OWNER_BYTES - strlen($head) - strlen($tail));
+
+    // The owner's fields are ":"-separated; a host name has none anyway.
+    $host = str_replace(':', '.', php_uname('n'));
+    $host = id(new PhutilUTF8StringTruncator())
+      ->setMaximumBytes($room)
+      ->setTerminator('')
+      ->truncateString($host);
+
+    return $head.$host.$tail;
+  }
+
+}
+
+
+/**
+ * Wakes a hibernating pool of PhorgeBridgeQueueDaemon when there is a
+ * task for it, as PhabricatorTaskmasterDaemonModule does for Phorge's own
+ * taskmasters (which it alone knows).
+ */
+final class PhorgeBridgeQueueDaemonModule
+  extends PhutilDaemonOverseerModule {
+
+  private $canary;
+
+  public function shouldWakePool(PhutilDaemonPool $pool) {
+    $class = $pool->getPoolDaemonClass();
+    if ($class != 'PhorgeBridgeQueueDaemon') {
+      return false;
+    }
+
+    // Once a second per pool ("phd launch 4 ..." makes four pools of one).
+    if ($this->shouldThrottle($class.':'.spl_object_hash($pool), 1)) {
+      return false;
+    }
+
+    if (!$this->canary) {
+      $this->canary = new PhorgeBridgeCanary();
+    }
+
+    try {
+      return PhorgeBridgeQueueDaemon::hasTaskToLease(
+        $this->canary->refresh());
+    } catch (Throwable $ex) {
+      phlog($ex);
+      return false;
+    }
+  }
+
+}

@@ -1,0 +1,41 @@
+"""A native handler for stand-in Phorge classes, the gray migration's new side in
+``tests/acceptance/test_canary.py``; the PHP runner (``tests/php_standin``) is the old side.
+
+Published the way ``recording_handlers.py`` is (an entry point of a throwaway
+distribution, see ``bridge_harness.write_plugin``). Each run appends a JSON line to
+``$PHORGE_BRIDGE_TEST_RECORD_FILE`` (which task, which worker, when: ``run_record``).
+It fails on purpose, temporarily, the tasks of the classes in ``$CANARY_FAIL_CLASSES``
+whose id falls in ``$CANARY_FAIL_PERCENT`` percent (a hash of the id, independent of the
+canary's), and only while the file ``$CANARY_FAIL_FLAG`` exists when that is set: a
+handler that turns bad mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import run_record
+
+from bridge.handlers.api import Handler, TaskContext, TemporaryFailure
+
+CLASSES = ("StandinSucceedWorker", "StandinCacheWorker")
+
+
+def failing(task: TaskContext) -> bool:
+    classes = os.environ.get("CANARY_FAIL_CLASSES", "").split(",")
+    percent = int(os.environ.get("CANARY_FAIL_PERCENT", "0"))
+    if task.task_class not in classes or zlib.crc32(f"fail:{task.id}".encode()) % 100 >= percent:
+        return False
+    flag = os.environ.get("CANARY_FAIL_FLAG")
+    return flag is None or os.path.exists(flag)
+
+
+class CanaryNative(Handler):
+    task_classes = CLASSES
+    phorge_defaults = True  # standing in for Phorge classes: Phorge's waits
+
+    def run(self, task: TaskContext) -> None:
+        run_record.append({"event": "start", "id": task.id, "taskClass": task.task_class})
+        if failing(task):
+            raise TemporaryFailure("failing on purpose", delay=0)

@@ -1,0 +1,301 @@
+"""The gray migration's native level end to end (issue 28): real workers and beats on
+RabbitMQ and MariaDB, a native handler (``canary_handlers.py``) as the new side and the
+PHP runner on the stand-in Phorge as the old side, the weights in the test database's
+``config_entry`` (where ``bin/config set --database`` would put them).
+
+(a) A healthy class at 20% runs about a fifth natively, exactly the ids the hash names,
+    each task archived once, a success, labelled with who ran it.
+(b) A handler failing 30% of its runs at 20% is rolled back by the guard before 50 of its
+    runs fail; two workers and two beats honour it within seconds, every failed run is
+    retried on PHP and archived a success, and the rollback survives a restart.
+(c) A ramp reaches 100% while its handler is healthy, and drops to 0% when it turns bad
+    mid-ramp.
+
+And a worker with no PHP path for a class it serves natively refuses a native weight below
+100 at start.
+
+Every wait is on a condition; none starts before the workers are ready.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import requests
+from bridge_harness import Bridge, write_plugin
+from canary import new_side, read, rolled_back, set_weights
+from php_standin import STANDIN_ROOT, php_binary
+from prometheus_client.parser import text_string_to_metric_families
+
+from bridge.canary.guard import read_window
+from bridge.canary.weights import NATIVE, label_of
+from bridge.queue.model import RESULT_SUCCESS
+from bridge.queue.schema import worker_activetask as active
+
+CLASS = "StandinSucceedWorker"  # a PHP class of the stand-in, with a native handler too
+HEALTHY = "StandinCacheWorker"  # (c): a second one, whose handler stays healthy
+HANDLERS = Path(__file__).with_name("canary_handlers.py")
+WAIT = 90.0
+# A rollback reaches every process within BRIDGE_CANARY_REFRESH (0.25 s here); the
+# trip's time is whole seconds of the database clock: the bound a native run may start
+# after it (the issue's target is 5 s).
+HONOURED_WITHIN = 3
+
+
+def deployment(make_bridge: Any, database_url: str, broker_url: str) -> Bridge:
+    php_binary()  # fails, never skips, without PHP
+    bridge = make_bridge(
+        database_url,
+        broker_url,
+        PHORGE_ROOT=str(STANDIN_ROOT),
+        RUNNER_CLASSES="Standin*",
+        CANARY_REFRESH="0.25",
+        CANARY_GUARD_INTERVAL="0.5",
+    )
+    bridge.plugin_dir = write_plugin(
+        bridge.directory / "canary-plugin",
+        HANDLERS,
+        "CanaryNative = canary_handlers:CanaryNative",
+    )
+    return bridge
+
+
+def labels(rows: dict[int, Any]) -> dict[int, str | None]:
+    return {task_id: label_of(row.leaseOwner) for task_id, row in rows.items()}
+
+
+def native_runs(bridge: Bridge, task_class: str = CLASS) -> list[dict[str, Any]]:
+    return [r for r in bridge.runs() if r["taskClass"] == task_class]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def scraped(ports: list[int], name: str, **labels: str) -> float:
+    """The sum over the workers at ``ports`` of the samples ``name`` with ``labels``."""
+    total = 0.0
+    for port in ports:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    total += sample.value
+    return total
+
+
+def assert_all_succeeded(bridge: Bridge, ids: list[int]) -> dict[int, Any]:
+    """Every task archived once (its id is the archive's key), a success, no failure
+    counted: the canary cost no task."""
+    rows = bridge.wait_archived(ids, timeout=WAIT)
+    assert {row.result for row in rows.values()} == {RESULT_SUCCESS}
+    assert {row.failureCount for row in rows.values()} == {0}
+    return rows
+
+
+def test_a_class_at_20_percent_native_runs_a_fifth_natively_each_task_once(
+    make_bridge, database_url, amqp_url
+):
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue], concurrency=2)
+    bridge.beat()
+    bridge.wait_ready(worker)
+
+    ids = bridge.enqueue(CLASS, {}, count=1000)
+    rows = assert_all_succeeded(bridge, ids)
+    ran_by = labels(rows)
+    natively = {task_id for task_id, label in ran_by.items() if label == "native"}
+    # Binomial(1000, 0.2): sd 12.6, so 150-250 is four of them either side.
+    assert 150 <= len(natively) <= 250
+    assert natively == new_side(NATIVE, 20, ids), "the hash names the side, exactly"
+    assert Counter(ran_by.values()) == {"native": len(natively), "runner": 1000 - len(natively)}
+    assert Counter(r["id"] for r in native_runs(bridge)) == Counter(natively), "each ran once"
+    log = worker.log()
+    some_native, some_php = min(natively), min(set(ids) - natively)
+    assert f"{CLASS}#{some_native} [native]: success" in log
+    assert f"{CLASS}#{some_php} [runner]: success" in log
+    assert "canary rollback" not in log
+    # Both sides side by side, as the guard and `phorge-bridge canary report` read them.
+    window = read_window(bridge.engine, CLASS, NATIVE, 300, 5000)
+    assert (window.new.runs, window.new.successes) == (len(natively), len(natively))
+    assert (window.old.runs, window.old.successes) == (1000 - len(natively),) * 2
+    assert not rolled_back(bridge.engine, CLASS, NATIVE)
+
+
+def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
+    make_bridge, database_url, amqp_url, monkeypatch
+):
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    queues = [bridge.default_queue, bridge.control_queue]
+    failing = {"CANARY_FAIL_CLASSES": CLASS, "CANARY_FAIL_PERCENT": "30"}
+    ports = [free_port(), free_port()]
+    workers = [
+        bridge.worker(
+            f"worker-{n}", queues, concurrency=2, env={**failing, "BRIDGE_METRICS_PORT": str(port)}
+        )
+        for n, port in zip((1, 2), ports, strict=True)
+    ]
+    bridge.beat("beat-1")
+    bridge.beat("beat-2")
+    bridge.wait_ready(*workers)
+
+    first = bridge.enqueue(CLASS, {}, count=400)
+    bridge.wait_until(lambda: rolled_back(bridge.engine, CLASS, NATIVE), WAIT, "the rollback")
+    tripped_at = read(bridge.engine).state.of(CLASS, NATIVE).rolled_back_at
+    assert tripped_at is not None
+    [tripped] = [line for line in bridge.logs().splitlines() if "canary rollback:" in line]
+    assert f"canary rollback: {CLASS} (native): new side success" in tripped
+    assert "old side 100.0%" in tripped and "window 300 s" in tripped
+
+    # Every worker honours it: each one runs, on PHP, tasks the hash gives the native side.
+    natively = new_side(NATIVE, 20, range(1, 10_000))
+    later: list[int] = []
+
+    def each_worker_ran_the_native_share_on_php() -> bool:
+        shared = [i for i in later if i in natively]
+        if all(any(f"{CLASS}#{i} [runner]: success" in w.log() for i in shared) for w in workers):
+            return True
+        if bridge.count(active) < 20:
+            later.extend(bridge.enqueue(CLASS, {}, count=50))
+        return False
+
+    bridge.wait_until(each_worker_ran_the_native_share_on_php, WAIT, "both workers to run PHP")
+    ran_by = labels(assert_all_succeeded(bridge, first + later))
+    fell_back = {i for i, label in ran_by.items() if label == "runner-fallback"}
+    assert 3 <= len(fell_back) < 50, "the guard trips before 50 native failures"
+    assert fell_back <= natively, "only the native side falls back"
+    started = [r["time"] for r in native_runs(bridge)]
+    assert max(started) <= tripped_at + HONOURED_WITHIN, "a native run after the rollback"
+    warned = [line for line in bridge.logs().splitlines() if "WARNING" in line]
+    fallbacks = [
+        line for line in warned if "[native]: fallback: failing on purpose; runner takes it" in line
+    ]
+    assert len(fallbacks) == len(fell_back)
+    # The metrics say it too: the rollback, and each run by who ran it.
+    of_class = {"task_class": CLASS}
+    native = {**of_class, "level": "native"}
+    assert scraped(ports[:1], "phorge_bridge_canary_rolled_back", **native) == 1
+    assert scraped(ports[:1], "phorge_bridge_canary_weight", **native) == 0
+    expected = {
+        ("native", "fallback"): len(fell_back),
+        ("native", "success"): len(started) - len(fell_back),
+        ("runner", "success"): len(ran_by) - len(started) + len(fell_back),
+    }
+
+    def counted() -> dict[tuple[str, str], float]:
+        return {
+            key: scraped(
+                ports,
+                "phorge_bridge_outcomes_total",
+                **of_class,
+                implementation=key[0],
+                outcome=key[1],
+            )
+            for key in expected
+        }
+
+    # (A run is counted just after its outcome is written.)
+    bridge.wait_until(lambda: counted() == expected, WAIT, f"the outcomes counted: {expected}")
+
+    # Restarted, the workers keep the class at 0%: the rollback is in the database.
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    for worker in workers:
+        worker.wait(timeout=WAIT)
+    restarted = [bridge.worker(f"worker-{n}b", queues, concurrency=2, env=failing) for n in (1, 2)]
+    bridge.wait_ready(*restarted)
+    before = len(native_runs(bridge))
+    again = bridge.enqueue(CLASS, {}, count=200)
+    assert set(labels(assert_all_succeeded(bridge, again)).values()) == {"runner"}
+    assert len(native_runs(bridge)) == before
+    assert rolled_back(bridge.engine, CLASS, NATIVE)
+
+
+def test_a_ramp_reaches_100_when_healthy_and_drops_to_0_when_the_handler_turns_bad(
+    make_bridge, database_url, amqp_url, tmp_path: Path
+):
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(
+        bridge.engine,
+        {
+            HEALTHY: {"ramp": {"level": "native", "steps": [10, 50, 100], "dwell": 1}},
+            # Held longer, so that the guard has the time to judge the bad step.
+            CLASS: {"ramp": {"level": "native", "steps": [10, 50, 100], "dwell": 4}},
+        },
+    )
+    flag = tmp_path / "turn-bad"
+    env = {"CANARY_FAIL_CLASSES": CLASS, "CANARY_FAIL_PERCENT": "50", "CANARY_FAIL_FLAG": str(flag)}
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue], env=env)
+    bridge.beat()
+    bridge.wait_ready(worker)
+
+    queued: dict[str, list[int]] = {HEALTHY: [], CLASS: []}
+
+    def feeding(condition: Any) -> Any:
+        """``condition``, keeping a trickle of both classes queued meanwhile."""
+
+        def check() -> bool:
+            if condition():
+                return True
+            if bridge.count(active) < 40:
+                for task_class, ids in queued.items():
+                    ids += bridge.enqueue(task_class, {}, count=10)
+            return False
+
+        return check
+
+    def step(task_class: str) -> int:
+        return read(bridge.engine).state.of(task_class, NATIVE).step
+
+    bridge.wait_until(feeding(lambda: step(CLASS) >= 1), WAIT, f"{CLASS}'s ramp at 50%")
+    assert step(CLASS) == 1 and not rolled_back(bridge.engine, CLASS, NATIVE)
+    flag.touch()  # the handler turns bad mid-ramp
+    bridge.wait_until(
+        feeding(lambda: rolled_back(bridge.engine, CLASS, NATIVE)), WAIT, "the bad ramp's rollback"
+    )
+    tripped_at = read(bridge.engine).state.of(CLASS, NATIVE).rolled_back_at
+    assert tripped_at is not None and step(CLASS) == 1, "dropped from 50%, not past it"
+    bridge.wait_until(feeding(lambda: step(HEALTHY) == 2), WAIT, f"{HEALTHY}'s ramp at 100%")
+    assert not rolled_back(bridge.engine, HEALTHY, NATIVE)
+
+    # From now on: the healthy class wholly native, the bad one wholly on PHP.
+    def a_batch_runs_wholly_on(task_class: str, label: str) -> bool:
+        ids = bridge.enqueue(task_class, {}, count=20)
+        queued[task_class] += ids
+        return set(labels(bridge.wait_archived(ids, timeout=WAIT)).values()) == {label}
+
+    bridge.wait_until(lambda: a_batch_runs_wholly_on(HEALTHY, "native"), WAIT, "100% native")
+    bridge.wait_until(lambda: a_batch_runs_wholly_on(CLASS, "runner"), WAIT, "0% native")
+
+    for ids in queued.values():
+        assert_all_succeeded(bridge, ids)
+    late = [r for r in native_runs(bridge) if r["time"] > tripped_at + HONOURED_WITHIN]
+    assert late == [], "a native run of the rolled-back class after its rollback"
+    events = [(e.task_class, e.event) for e in read(bridge.engine).state.history]
+    assert events.count((HEALTHY, "step")) == 2 and (CLASS, "rollback") in events
+
+
+def test_a_native_weight_the_worker_cannot_honour_stops_it_at_start(
+    make_bridge, database_url, amqp_url
+):
+    """No PHP path for the class here (no runner, no Conduit): the old side's share would
+    have nowhere to run, so the worker refuses to start, naming the option and the class."""
+    bridge = make_bridge(database_url, amqp_url)
+    bridge.plugin_dir = write_plugin(
+        bridge.directory / "canary-plugin", HANDLERS, "CanaryNative = canary_handlers:CanaryNative"
+    )
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
+    assert worker.wait(timeout=WAIT) == 1
+    [line] = [line for line in worker.log().splitlines() if line.startswith("Error: ")]
+    assert line.startswith(f"Error: configuration error: phorge-bridge.canary: {CLASS}: ")
+    assert "needs a PHP path" in line

@@ -1,0 +1,51 @@
+"""The gray migration's weights and state as the tests set and read them: the two rows of
+``config_entry`` in the queue's own database (SQLite, and the tests' ``bridge_t_<hex>``
+MariaDB databases, where ``BRIDGE_CANARY_DATABASE`` is not needed), written with the
+bridge's own store, and which task ids each side takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import Engine
+
+from bridge.canary.store import CanaryStore
+from bridge.canary.weights import SCALE, Canary, CanaryState, bucket
+
+
+def store(engine: Engine) -> CanaryStore:
+    """The store of the options in ``engine``'s own database."""
+    return CanaryStore(engine, None)
+
+
+def set_weights(engine: Engine, weights: dict[str, Any]) -> None:
+    """Set ``phorge-bridge.canary`` as ``bin/config set --database`` would."""
+    store(engine).set_weights(weights)
+
+
+def read(engine: Engine) -> Canary:
+    return store(engine).read()
+
+
+def forget_state(engine: Engine) -> None:
+    """No rollback, no ramp step: the state as it was before the bridge wrote any."""
+    store(engine).change_state(lambda _state: CanaryState())
+
+
+def roll_back(engine: Engine, task_class: str, level: str, at: int = 0) -> None:
+    store(engine).change_state(
+        lambda state: state.with_rollback(task_class, level, at, "rolled back by a test")
+    )
+
+
+def rolled_back(engine: Engine, task_class: str, level: str) -> bool:
+    return read(engine).state.of(task_class, level).rolled_back
+
+
+def new_side(level: str, percent: float, ids: Iterable[int]) -> set[int]:
+    """Of ``ids`` (rows that never failed), those the new side of ``level`` takes at
+    ``percent``."""
+    weight = round(percent * SCALE / 100)
+    return {task_id for task_id in ids if bucket(level, task_id) < weight}

@@ -1,0 +1,155 @@
+"""The shipped ``PhorgeBridgeQueueDaemon`` and the canary options on a real Phorge, as the
+PHORGE_ROOT tests that run it share them (``tests/integration/test_queue_daemon.py`` and
+``tests/helpers/gray_phorge.py``'s gray migration).
+
+The two options (``phorge-bridge.canary`` and ``phorge-bridge.canary-state``) belong to
+the whole install: a test changes them only while it holds the MariaDB lock
+``phorge-bridge-test:canary-options`` (:func:`options_held`), and their ``config_entry``
+rows are put back as they were found. The daemon runs under ``bin/phd debug`` and is
+stopped with SIGKILL (Phorge's CLI ignores SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from phorge_env import Phorge, kill
+
+from bridge.canary.weights import OPTION, STATE_OPTION
+
+DAEMON = "PhorgeBridgeQueueDaemon"
+LOCK = "phorge-bridge-test:canary-options"
+OPTIONS = (OPTION, STATE_OPTION)  # their config_entry rows restored as found
+
+
+@dataclass
+class CanaryLab:
+    """The install under test: its helper script, its worker database, and the names of
+    its config and daemon databases."""
+
+    phorge: Phorge
+    worker: sa.Engine  # {namespace}_worker
+    config_db: str  # {namespace}_config
+    daemon_db: str  # {namespace}_daemon
+    work: Path
+
+    def call(self, command: str, **args: Any) -> Any:
+        return self.phorge.php(command, json.dumps(args))
+
+    def sql(self, statement: str, **params: Any) -> list[sa.Row[Any]]:
+        with self.worker.begin() as conn:
+            result = conn.execute(sa.text(statement), params)
+            return list(result) if result.returns_rows else []
+
+    def set_option(self, key: str, value: Any) -> None:
+        """As an operator does: ``bin/config set --database`` (before the daemon starts:
+        a config transaction makes phd's overseer restart its daemons)."""
+        done = self.phorge.bin("config", "set", "--database", key, json.dumps(value))
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def set_weights(self, weights: dict[str, Any]) -> None:
+        self.set_option(OPTION, weights)
+
+    def option_rows(self) -> list[sa.Row[Any]]:
+        binds = ", ".join(f"'{key}'" for key in OPTIONS)
+        return self.sql(
+            f"SELECT configKey, value, isDeleted FROM `{self.config_db}`.config_entry"
+            f" WHERE namespace = 'default' AND configKey IN ({binds})"
+        )
+
+    def forget_option(self, key: str) -> None:
+        self.sql(
+            f"DELETE FROM `{self.config_db}`.config_entry"
+            " WHERE namespace = 'default' AND configKey = :key",
+            key=key,
+        )
+
+    def write_option(self, key: str, raw: str, deleted: int = 0) -> None:
+        """As the bridge writes an option: the config_entry row itself, no transaction row
+        (so phd's overseer does not restart its daemons)."""
+        alphabet = "abcdefghijklmnopqrstuvwxyz234567"
+        phid = "PHID-CONF-" + "".join(secrets.choice(alphabet) for _ in range(20))
+        self.sql(
+            f"INSERT INTO `{self.config_db}`.config_entry"
+            " (phid, namespace, configKey, value, isDeleted, dateCreated, dateModified)"
+            " VALUES (:phid, 'default', :key, :value, :deleted, UNIX_TIMESTAMP(),"
+            " UNIX_TIMESTAMP())"
+            " ON DUPLICATE KEY UPDATE value = VALUES(value), isDeleted = VALUES(isDeleted),"
+            " dateModified = VALUES(dateModified)",
+            phid=phid,
+            key=key,
+            value=raw,
+            deleted=deleted,
+        )
+
+
+@contextmanager
+def options_held(lab: CanaryLab) -> Iterator[None]:
+    """The canary options held for the block (the MariaDB lock), their rows put back as
+    they were found afterwards."""
+    with lab.worker.connect() as holder:
+        got = holder.execute(sa.text("SELECT GET_LOCK(:n, 300)"), {"n": LOCK}).scalar()
+        assert got == 1, f"another test run holds the MariaDB lock {LOCK}"
+        saved = lab.option_rows()
+        try:
+            yield
+        finally:
+            for key in OPTIONS:
+                lab.forget_option(key)
+            for key, value, deleted in saved:
+                lab.write_option(key, value, int(deleted))
+            holder.execute(sa.text("SELECT RELEASE_LOCK(:n)"), {"n": LOCK})
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
+
+    def worked_on(self) -> list[int]:
+        """The task ids the daemon leased, in order (its ``Working on task N`` lines)."""
+        return [int(n) for n in re.findall(r"Working on task (\d+) ", self.output())]
+
+
+@contextmanager
+def daemon(lab: CanaryLab) -> Iterator[Daemon]:
+    """``bin/phd debug PhorgeBridgeQueueDaemon``, SIGKILLed afterwards (Phorge's CLI
+    ignores SIGTERM); its daemon_log row marked exited, as phd would on a clean stop."""
+    log = lab.work / f"phd-{secrets.token_hex(4)}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            ["php", str(lab.phorge.root / "bin" / "phd"), "debug", DAEMON],
+            cwd=lab.phorge.root,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    running = Daemon(process, log)
+    try:
+        yield running
+    finally:
+        kill(process)
+        overseer = re.search(r'overseer \(with PID "(\d+)"\)', running.output())
+        if overseer:
+            lab.sql(
+                f"UPDATE `{lab.daemon_db}`.daemon_log SET status = 'exit'"
+                " WHERE daemon = :daemon AND pid = :pid AND status = 'run'",
+                daemon=DAEMON,
+                pid=int(overseer.group(1)),
+            )

@@ -1,0 +1,48 @@
+<?php
+
+/**
+ * What Phorge's work left, as the PHORGE_ROOT tests' helper scripts read it (after
+ * scripts/init/init-script.php). tests/helpers/phorge_env.py copies this file beside
+ * each helper script as helper.php.effects.php.
+ */
+
+// An object's effects: its feed stories, its search index rows, its transactions and
+// the statuses of its mail, sorted.
+function phorge_bridge_effects(PhabricatorUser $viewer, $phid) {
+  $stories = id(new PhabricatorFeedQuery())->setViewer($viewer)
+    ->withFilterPHIDs(array($phid))->execute();
+  $ferret = id(new ManiphestTask())->newFerretEngine();
+  $indexed = queryfx_one(id(new ManiphestTask())->establishConnection('r'),
+    'SELECT COUNT(*) n FROM %T WHERE objectPHID = %s',
+    $ferret->getDocumentTableName(), $phid);
+  $xactions = id(new ManiphestTransactionQuery())->setViewer($viewer)
+    ->withObjectPHIDs(array($phid))->execute();
+  $statuses = array();
+  foreach (id(new PhabricatorMetaMTAMail())->loadAllWhere('relatedPHID = %s', $phid)
+    as $mail) {
+    $statuses[] = $mail->getStatus();
+  }
+  sort($statuses);
+  return array(
+    'feedStories' => count($stories),
+    'indexed' => (int)$indexed['n'],
+    'transactions' => count($xactions),
+    'mails' => $statuses,
+  );
+}
+
+// The body FeedPublisherHTTPWorker::doWork() POSTs for a feed story.
+function phorge_bridge_hook_body(PhabricatorFeedStory $story) {
+  $data = $story->getStoryData();
+  return http_build_query(
+    array(
+      'storyID' => $data->getID(),
+      'storyType' => $data->getStoryType(),
+      'storyData' => $data->getStoryData(),
+      'storyAuthorPHID' => $data->getAuthorPHID(),
+      'storyText' => $story->renderText(),
+      'epoch' => $data->getEpoch(),
+    ),
+    '',
+    '&');
+}

@@ -1,0 +1,256 @@
+"""``phorge-bridge canary status|rollback|promote|report`` and doctor's canary check,
+against MariaDB."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import asdict
+
+import pytest
+import sqlalchemy as sa
+from services import url_of
+
+from bridge.canary.store import CanaryStore
+from bridge.canary.weights import BRIDGE, NATIVE
+from bridge.cli import doctor as checks
+from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue.schema import worker_archivetask as archive
+
+FEED = "FeedPublisherHTTPWorker"
+MAIL = "ManiphestTransactionMailWorker"
+RAMPED = "PhabricatorRepositoryCommitParserWorker"
+WEIGHTS = {
+    "*": {"bridge": 0},
+    "PhabricatorSearchWorker": {"bridge": 100},
+    MAIL: {"bridge": 5},
+    FEED: {"native": 20},
+    RAMPED: {"ramp": {"level": "bridge", "steps": [1, 5, 100], "dwell": 600}},
+}
+
+
+@pytest.fixture
+def cli(cli_invoke, mysql_engine):
+    """Run ``phorge-bridge`` against the test database; returns (invoke, store)."""
+    engine = make_engine(url_of(mysql_engine))
+    store = CanaryStore(engine, None)
+    store.set_weights(WEIGHTS)
+    yield cli_invoke, store
+    engine.dispose()
+
+
+def status_rows(output: str) -> dict[tuple[str, str], list[str]]:
+    """``canary status``'s table by (class, level): its other columns, split on 2+ spaces."""
+    lines = output.splitlines()
+    header = lines[0]
+    starts = [m.start() for m in re.finditer(r"\S+(?: \S+)*", header)]  # "ROLLED BACK"
+    found = {}
+    for line in lines[1:]:
+        if line.startswith("every other class"):
+            continue
+        cells = [line[a:b].strip() for a, b in itertools.pairwise([*starts, None])]
+        found[cells[0], cells[1]] = cells[2:]
+    return found
+
+
+def test_status_shows_configured_and_effective_weights(cli):
+    invoke, _ = cli
+    out = invoke("canary", "status")
+    assert out.splitlines()[0].split() == [
+        "CLASS",
+        "LEVEL",
+        "CONFIGURED",
+        "EFFECTIVE",
+        "RAMP",
+        "ROLLED",
+        "BACK",
+    ]
+    rows = status_rows(out)
+    assert rows[MAIL, BRIDGE] == ["5%", "5%", "-", "-"]
+    assert rows[MAIL, NATIVE] == ["100%", "100%", "-", "-"]
+    assert rows[FEED, NATIVE] == ["20%", "20%", "-", "-"]
+    assert rows[RAMPED, BRIDGE][:3] == ["ramp 1,5,100% (dwell 600 s)", "1%", "step 1/3 (1%)"]
+    assert out.splitlines()[-1] == "every other class: bridge 0%, native 100%"
+    assert set(status_rows(invoke("canary", "status", FEED))) == {(FEED, BRIDGE), (FEED, NATIVE)}
+    shown = json.loads(invoke("canary", "status", "--json"))
+    assert shown["classes"][MAIL][BRIDGE] == {
+        "configured": 5.0,
+        "effective": 5.0,
+        "ramp": None,
+        "rolled_back": None,
+    }
+    assert shown["default"] == {"bridge": 0.0, "native": 100.0}
+
+
+def test_rollback_then_status_shows_zero_and_promote_clears_it(cli):
+    invoke, store = cli
+    out = invoke("canary", "rollback", FEED, "--reason", "feed hooks answer 500")
+    assert out == f"rolled back {FEED} (native): new side at 0% (was 20%)\n"
+    row = status_rows(invoke("canary", "status", FEED))[FEED, NATIVE]
+    assert row[:2] == ["20%", "0%"]
+    assert row[3].startswith("since ") and row[3].endswith(": feed hooks answer 500")
+    assert store.read().weight(FEED, NATIVE) == 0
+    # Twice is harmless, and says since when.
+    again = invoke("canary", "rollback", FEED)
+    assert again.startswith(f"{FEED} (native) was already rolled back since ")
+    assert len(store.read().state.history) == 1
+    # Without --level, promote finds the level it was rolled back at.
+    assert invoke("canary", "promote", FEED) == (
+        f"promoted {FEED} (native): rollback cleared, new side at 20%\n"
+    )
+    assert status_rows(invoke("canary", "status", FEED))[FEED, NATIVE] == ["20%", "20%", "-", "-"]
+    # Nothing left to promote: an error that says why.
+    assert "nothing to promote" in invoke("canary", "promote", FEED, code=1)
+    events = [(e.event, e.weight, e.reason) for e in store.read().state.history]
+    assert events == [
+        ("rollback", 0, "feed hooks answer 500"),
+        ("promote", 20.0, "promoted by an operator"),
+    ]
+
+
+def test_promote_moves_a_ramp_and_restarts_it_after_a_rollback(cli):
+    invoke, store = cli
+    assert invoke("canary", "promote", RAMPED).endswith("next ramp step, new side at 5%\n")
+    assert store.read().weight(RAMPED, BRIDGE) == 500
+    invoke("canary", "rollback", RAMPED, "--level", "bridge")
+    assert store.read().weight(RAMPED, BRIDGE) == 0
+    assert invoke("canary", "promote", RAMPED, "--reason", "fixed").endswith(
+        "rollback cleared, new side at 1%\n"
+    )
+    assert store.read().state.of(RAMPED, BRIDGE).step == 0
+    invoke("canary", "promote", RAMPED)
+    invoke("canary", "promote", RAMPED)
+    assert store.read().weight(RAMPED, BRIDGE) == 10_000
+    assert "its ramp is at its last step" in invoke("canary", "promote", RAMPED, code=1)
+
+
+def test_unknown_classes_and_levels_are_usage_errors(cli):
+    invoke, store = cli
+    out = invoke("canary", "rollback", "PhabricatorNoSuchWorker", code=2)
+    assert "unknown class 'PhabricatorNoSuchWorker'" in out
+    assert (
+        "invalid value for '--level'"
+        in invoke("canary", "rollback", FEED, "--level", "php", code=2).lower()
+    )
+    assert "unknown class" in invoke("canary", "report", "Nope", code=2)
+    assert "unknown class" in invoke("canary", "status", "Nope", code=2)
+    # A class the option does not name, but the queue holds: it can be rolled back.
+    PhorgeQueue(store.engine).enqueue("PhabricatorTestWorker", {})
+    out = invoke("canary", "rollback", "PhabricatorTestWorker", "--level", "native")
+    assert out == "rolled back PhabricatorTestWorker (native): new side at 0% (was 100%)\n"
+
+
+_ids = itertools.count(1)
+
+
+def archived(engine: sa.Engine, task_class: str, label: str | None, count: int, **row) -> None:
+    with engine.connect() as conn:
+        now = int(conn.exec_driver_sql("SELECT UNIX_TIMESTAMP()").scalar_one())
+    owner = f"bridge:{label}:7:{now}:host:1" if label else f"7:{now}:host:1"
+    values = {
+        "taskClass": task_class,
+        "leaseOwner": owner,
+        "failureCount": 0,
+        "dataID": 1,
+        "result": 0,
+        "duration": 20_000,
+        "dateCreated": now,
+        "dateModified": now,
+        "priority": 3000,
+        **row,
+    }
+    with engine.begin() as conn:
+        conn.execute(sa.insert(archive), [{**values, "id": next(_ids)} for _ in range(count)])
+
+
+def test_report_shows_both_sides_from_labelled_archive_rows(cli):
+    invoke, store = cli
+    engine = store.engine
+    archived(engine, FEED, "native", 8, duration=40_000)
+    archived(engine, FEED, "runner-fallback", 2)
+    archived(engine, FEED, "runner", 20, duration=10_000)
+    archived(engine, FEED, "runner", 1, failureCount=2, result=1)
+    archived(engine, FEED, "runner", 3, dateModified=1)  # long ago: outside the window
+    invoke("canary", "rollback", FEED, "--reason", "too slow")
+    shown = json.loads(invoke("canary", "report", FEED, "--json"))
+    (entry,) = shown["classes"]
+    assert (entry["class"], entry["level"], entry["window"]) == (FEED, NATIVE, 300)
+    assert entry["new"] == {
+        "runs": 10,
+        "successes": 8,
+        "temporary_failures": 0,
+        "permanent_failures": 0,
+        "fallbacks": 2,
+        "p50": 0.04,
+        "p99": 0.04,
+        "implementations": ["native"],
+        "ratio": 0.8,
+    }
+    old = entry["old"]
+    assert (old["runs"], old["successes"], old["temporary_failures"]) == (2 + 20 + 3, 22, 2)
+    assert (old["permanent_failures"], old["fallbacks"]) == (1, 0)
+    assert old["implementations"] == ["runner", "runner-fallback"]
+    assert (entry["configured"], entry["effective"]) == (20.0, 0.0)
+    assert entry["rolled_back"]["reason"] == "too slow"
+    assert [(e["event"], e["reason"]) for e in entry["history"]] == [("rollback", "too slow")]
+
+    text = invoke("canary", "report", FEED).splitlines()
+    assert text[0] == f"{FEED} (native level), archived runs of the last 300 s"
+    header, new, old_line = (line.split() for line in text[1:4])
+    assert header[:3] == ["SIDE", "RUNS", "SUCCESS"]
+    assert new == ["new", "10", "80.0%", "0.040", "s", "0.040", "s", "0", "0", "2", "native"]
+    assert old_line[:3] == ["old", "25", "88.0%"]
+    assert text[4].startswith("weight: 0% on the new side (configured 20%), rolled back since ")
+    assert text[5] == "history:" and text[6].endswith("native  rollback     0%  too slow")
+    # A shorter window, and every named class without CLASS.
+    assert json.loads(invoke("canary", "report", FEED, "--window", "1", "--json"))
+    every = json.loads(invoke("canary", "report", "--json"))["classes"]
+    assert [e["class"] for e in every] == sorted([FEED, MAIL, RAMPED, "PhabricatorSearchWorker"])
+    assert {e["class"]: e["level"] for e in every}[MAIL] == BRIDGE
+
+
+def test_report_at_the_bridge_level_reads_phd_owners(cli):
+    invoke, store = cli
+    archived(store.engine, MAIL, None, 4)  # Phorge's own taskmasters: pid:epoch:host:seq
+    archived(store.engine, MAIL, "native", 1)
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            "UPDATE worker_archivetask SET leaseOwner = CONCAT('phd:', leaseOwner)"
+            " WHERE id = (SELECT MIN(id) FROM (SELECT id FROM worker_archivetask) ids)"
+        )
+    (entry,) = json.loads(invoke("canary", "report", MAIL, "--json"))["classes"]
+    assert (entry["new"]["runs"], entry["old"]["runs"]) == (1, 4)
+    assert entry["old"]["implementations"] == ["phd"]
+
+
+def doctor() -> dict:
+    """Doctor's canary check, after the two it needs (the whole of doctor probes the broker)."""
+    run = checks.Doctor()
+    for check in (checks.check_settings, checks.check_database, checks.check_canary):
+        result = run.run(check)
+    return asdict(result)
+
+
+def test_doctor_lists_the_weights_warns_of_rollbacks_and_fails_bad_weights(cli):
+    invoke, store = cli
+    assert checks.check_canary in checks.CHECKS
+
+    check = doctor()
+    assert check["status"] == "ok"
+    assert check["detail"] == (
+        f"weights: {FEED} native 20% (shared); {MAIL} bridge 5% (shared); "
+        f"{RAMPED} bridge 1% (shared); PhabricatorSearchWorker 100%; "
+        "every other class: bridge 0%, native 100%"
+    )
+    invoke("canary", "rollback", FEED, "--reason", "bad hooks")
+    check = doctor()
+    assert check["status"] == "warn"
+    assert f"{FEED} (native) rolled back since " in check["detail"]
+    assert ": bad hooks; once fixed, run `phorge-bridge canary promote " in check["detail"]
+    assert f"canary promote {FEED} --level native`" in check["detail"]
+    store._write("phorge-bridge.canary", lambda _old: '{"X": {"bridge": 500}}')
+    check = doctor()
+    assert check["status"] == "fail"
+    assert check["detail"].startswith("phorge-bridge.canary: X.bridge: 500 is outside [0, 100]")
+    assert "phorge-bridge.canary: X.bridge" in invoke("canary", "status", code=1)

@@ -1,0 +1,378 @@
+"""The canary guard (bridge/canary/guard.py): the verdict's bounds and minimum sample,
+the window read off archive rows, and the rollbacks and ramp steps it makes, on SQLite."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+
+import pytest
+import sqlalchemy as sa
+
+from bridge.canary import guard
+from bridge.canary.guard import Bounds, SideStats, Window, guard_once, read_window, verdict
+from bridge.canary.store import CanaryStore
+from bridge.canary.weights import BRIDGE, NATIVE, CanaryState, stored
+from bridge.config import load_settings
+from bridge.queue import make_engine
+from bridge.queue.schema import metadata
+from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
+
+BOUNDS = Bounds(
+    slowdown_floor=0.1
+)  # the defaults but the floor: 10 runs, 3 failures, 2 points, 3 times
+
+
+def side(runs: int, failures: int, p50: float | None = 0.01) -> SideStats:
+    return SideStats(runs=runs, successes=runs - failures, p50=p50, p99=p50)
+
+
+def window(new: SideStats, old: SideStats) -> Window:
+    return Window("C", NATIVE, 300, new, old)
+
+
+def test_the_reason_names_both_ratios_and_the_window():
+    reason = verdict(window(side(20, 6), side(80, 0)), BOUNDS)
+    assert reason == (
+        "new side success 70.0% over 20 runs, old side 100.0% over 80 runs, window 300 s"
+    )
+
+
+@pytest.mark.parametrize(
+    ("new", "old"),
+    [
+        (side(3, 1), side(100, 0)),  # 1 failure in 3 runs
+        (side(9, 9), side(100, 0)),  # fewer runs than the minimum
+        (side(10, 2), side(100, 0)),  # 80%, but fewer failures than the minimum
+        (side(0, 0), side(0, 0)),
+    ],
+    ids=["one-in-three", "min-runs", "min-failures", "nothing"],
+)
+def test_no_verdict_without_a_sample(new, old):
+    assert verdict(window(new, old), BOUNDS) is None
+
+
+def test_the_success_bound_is_strictly_more_than_max_drop():
+    assert verdict(window(side(150, 3), side(100, 0)), BOUNDS) is None  # 98.0%: 2 points
+    assert verdict(window(side(150, 4), side(100, 0)), BOUNDS) is not None  # 97.3%
+    # Against an old side that fails too: judged against its ratio.
+    assert verdict(window(side(100, 10), side(100, 9)), BOUNDS) is None
+    assert verdict(window(side(100, 12), side(100, 9)), BOUNDS) is not None
+    assert verdict(window(side(100, 12), side(100, 9)), replace(BOUNDS, max_drop=0.05)) is None
+
+
+def test_an_old_side_below_the_minimum_counts_as_a_hundred_percent():
+    # The old side's 60% over 5 runs is no sample: the new side's 90% is 10 points below 100.
+    reason = verdict(window(side(30, 3), side(5, 2)), BOUNDS)
+    assert reason is not None and "old side 100.0% over 5 runs" in reason
+    assert verdict(window(side(30, 3), side(100, 12)), BOUNDS) is None  # 90% vs 88%
+
+
+def test_the_slowdown_bound_needs_both_the_factor_and_the_floor():
+    old = side(100, 3, p50=0.2)
+    reason = verdict(window(side(100, 3, p50=1.0), old), BOUNDS)
+    assert reason is not None
+    assert reason.startswith("new side success 97.0% over 100 runs, old side 97.0% over 100")
+    assert "new side p50 1.000 s against the old side's 0.200 s" in reason
+    assert verdict(window(side(100, 3, p50=0.5), old), BOUNDS) is None  # 2.5 times
+    fast = side(100, 3, p50=0.01)
+    assert verdict(window(side(100, 3, p50=0.05), fast), BOUNDS) is None  # 0.04 s slower
+    assert verdict(window(side(100, 3, p50=0.05), fast), replace(BOUNDS, slowdown_floor=0.03))
+    # Slowness alone trips it: the minimum failures are the success ratio's sample.
+    assert "new side p50 1.000 s" in (verdict(window(side(100, 0, p50=1.0), old), BOUNDS) or "")
+    assert verdict(window(side(9, 0, p50=1.0), old), BOUNDS) is None  # under min_runs
+    # Nor against an old side without a sample.
+    assert verdict(window(side(150, 3, p50=1.0), side(5, 0, p50=0.2)), BOUNDS) is None
+
+
+def test_bounds_come_from_the_settings():
+    settings = load_settings(
+        {
+            "BRIDGE_CANARY_MIN_RUNS": "20",
+            "BRIDGE_CANARY_MIN_FAILURES": "5",
+            "BRIDGE_CANARY_MAX_DROP": "0.1",
+            "BRIDGE_CANARY_MAX_SLOWDOWN": "2",
+            "BRIDGE_CANARY_SLOWDOWN_FLOOR": "0.5",
+        }
+    )
+    assert Bounds.from_settings(settings) == Bounds(20, 5, 0.1, 2.0, 0.5)
+    assert Bounds.from_settings(load_settings({})) == Bounds()
+
+
+# -- on SQLite, with archive rows ---------------------------------------------------------
+
+
+@pytest.fixture
+def db(tmp_path):
+    url = f"sqlite:///{tmp_path / 'q.db'}"
+    engine = make_engine(url)
+    metadata.create_all(engine)
+    yield engine, load_settings({"BRIDGE_DATABASE_URL": url})
+    engine.dispose()
+
+
+_ids = itertools.count(1)
+
+
+def archived(
+    engine: sa.Engine,
+    owner: str | None,
+    *,
+    count: int = 1,
+    task_class: str = "C",
+    result: int = 0,
+    failures: int = 0,
+    duration_us: int = 10_000,
+    age: int = 0,
+) -> None:
+    """``count`` archive rows of ``task_class`` run by ``owner``, archived ``age`` s ago."""
+    now = int(time.time())
+    rows = [
+        {
+            "id": next(_ids),
+            "taskClass": task_class,
+            "leaseOwner": owner,
+            "leaseExpires": now + 60,
+            "failureCount": failures,
+            "dataID": 1,
+            "result": result,
+            "duration": duration_us,
+            "dateCreated": now - age,
+            "dateModified": now - age,
+            "priority": 3000,
+        }
+        for _ in range(count)
+    ]
+    with engine.begin() as conn:
+        conn.execute(sa.insert(archive), rows)
+
+
+def owner(label: str) -> str:
+    return f"bridge:{label}:100:{int(time.time())}:host:1"
+
+
+def test_the_window_splits_the_rows_by_label(db):
+    engine, _ = db
+    archived(engine, owner("native"), count=4, duration_us=20_000)
+    archived(engine, owner("native"), failures=2)  # ran 3 times, failed twice first
+    archived(engine, owner("runner"), count=3, duration_us=5_000)
+    archived(engine, owner("runner"), failures=1, result=1)  # failed, then for good
+    archived(engine, owner("runner-fallback"), count=2, duration_us=7_000)
+    archived(engine, owner("runner"), result=2)  # cancelled: its last run never ran
+    archived(engine, owner("runner"), count=5, age=1000)  # outside the window
+    archived(engine, owner("native"), count=5, task_class="Other")
+    w = read_window(engine, "C", NATIVE, 300, 500)
+    assert (w.task_class, w.level, w.seconds) == ("C", NATIVE, 300)
+    assert w.new == SideStats(
+        runs=4 + 3 + 2,
+        successes=5,
+        temporary_failures=2,
+        permanent_failures=0,
+        fallbacks=2,
+        p50=0.02,
+        p99=0.02,
+        implementations=("native",),
+    )
+    assert w.old == SideStats(
+        runs=3 + 2 + 2,
+        successes=3 + 2,
+        temporary_failures=1,
+        permanent_failures=1,
+        fallbacks=0,
+        p50=0.005,
+        p99=0.007,
+        implementations=("runner", "runner-fallback"),
+    )
+    assert w.new.ratio == pytest.approx(5 / 9) and w.new.failures == 4
+
+
+def test_at_the_bridge_level_phd_and_stock_owners_are_the_old_side(db):
+    engine, _ = db
+    archived(engine, f"phd:1:{int(time.time())}:web:1", count=2)
+    archived(engine, f"1:{int(time.time())}:web:1", count=3)  # Phorge's own taskmasters
+    archived(engine, f"phd-fallback:1:{int(time.time())}:web:1")
+    archived(engine, owner("conduit"), count=4)
+    w = read_window(engine, "C", BRIDGE, 300, 500)
+    assert (w.new.runs, w.new.fallbacks, w.new.implementations) == (5, 1, ("conduit",))
+    assert (w.old.runs, w.old.implementations) == (6, ("phd", "phd-fallback"))
+
+
+def test_percentiles_are_of_successful_runs_in_seconds(db):
+    engine, _ = db
+    for ms in range(1, 101):
+        archived(engine, owner("native"), duration_us=ms * 1000)
+    archived(engine, owner("native"), result=1, duration_us=10**9)
+    w = read_window(engine, "C", NATIVE, 300, 500)
+    assert (w.new.p50, w.new.p99) == (0.05, 0.099)
+    assert w.old == SideStats()
+
+
+@pytest.mark.parametrize("page", [3, 1000])
+def test_each_side_counts_its_newest_max_runs(db, monkeypatch, page):
+    engine, _ = db
+    monkeypatch.setattr(guard, "PAGE_ROWS", page)  # pages that split rows of one second
+    archived(engine, owner("native"), count=10, duration_us=1_000_000, age=20)
+    archived(engine, owner("native"), count=10, duration_us=1_000, age=10)
+    archived(engine, owner("runner"), count=4, age=5)
+    w = read_window(engine, "C", NATIVE, 300, 10)
+    assert (w.new.runs, w.new.p99) == (10, 0.001)  # the newest ten only
+    assert w.old.runs == 4  # the other side is read on to the end of the window
+
+
+WEIGHTS = {"C": {"native": 20}, "Quiet": {"native": 20}}
+ERROR = (
+    "canary rollback: C (native): new side success 70.0% over 20 runs, "
+    "old side 100.0% over 80 runs, window 300 s"
+)
+
+
+def test_a_worse_new_side_is_rolled_back_with_one_error_line(db, caplog):
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights(WEIGHTS)
+    archived(engine, owner("native"), count=14)
+    archived(engine, owner("runner-fallback"), count=6)
+    archived(engine, owner("runner"), count=74)
+    archived(engine, owner("native"), count=20, task_class="Quiet")
+    caplog.set_level(logging.INFO, logger="bridge.canary")
+    assert guard_once(store, engine, settings) == ["rollback C (native)"]
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in errors] == [ERROR]
+    canary = store.read()
+    state = canary.state.of("C", NATIVE)
+    # Stored without "%", which `bin/config get` would take for a format directive.
+    assert state.rolled_back and state.reason == stored(ERROR.split(": ", 2)[2])
+    assert "%" not in state.reason
+    assert canary.weight("C", NATIVE) == 0 and canary.weight("Quiet", NATIVE) == 2000
+    (event,) = canary.state.history
+    assert (event.task_class, event.level, event.event, event.weight) == (
+        "C",
+        NATIVE,
+        "rollback",
+        0,
+    )
+    # Rolled back, the class is no longer shared: the next guard leaves it alone.
+    caplog.clear()
+    assert guard_once(store, engine, settings) == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_no_shared_class_is_one_read(db, monkeypatch):
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights({"C": {"native": 100}, "*": {"bridge": 0}})
+    monkeypatch.setattr(guard, "read_window", lambda *a: pytest.fail("read the archive"))
+    monkeypatch.setattr(guard, "guard_lock", lambda *a: pytest.fail("took the lock"))
+    assert guard_once(store, engine, settings) == []
+    assert guard_once(CanaryStore(engine, None), engine, settings) == []
+
+
+RAMP = {"C": {"ramp": {"level": "native", "steps": [1, 5, 100], "dwell": 60}}}
+
+
+def backdate(store: CanaryStore, seconds: int) -> None:
+    """Make the current ramp step ``seconds`` older."""
+
+    def change(state: CanaryState) -> CanaryState:
+        level = state.of("C", NATIVE)
+        assert level.step_since is not None
+        moved = replace(level, step_since=level.step_since - seconds)
+        return replace(state, levels={**state.levels, ("C", NATIVE): moved})
+
+    store.change_state(change)
+
+
+def test_a_quiet_ramp_steps_after_each_dwell(db):
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights(RAMP)
+    assert store.read().weight("C", NATIVE) == 100
+    # First sight: the step's dwell starts now; nothing moves.
+    assert guard_once(store, engine, settings) == []
+    first = store.read().state.of("C", NATIVE)
+    assert first.step == 0 and first.step_since is not None
+    assert store.read().state.history == ()
+    assert guard_once(store, engine, settings) == []  # held 0 s of 60
+    backdate(store, 59)
+    assert guard_once(store, engine, settings) == []
+    backdate(store, 1)
+    assert guard_once(store, engine, settings) == ["step C (native) 5%"]
+    canary = store.read()
+    assert canary.weight("C", NATIVE) == 500
+    stepped = canary.state.of("C", NATIVE)
+    assert stepped.step == 1 and stepped.step_since is not None
+    assert stepped.step_since >= first.step_since  # the new step's dwell starts now
+    assert [(e.event, e.weight) for e in canary.state.history] == [("step", 5.0)]
+    backdate(store, 60)
+    assert guard_once(store, engine, settings) == ["step C (native) 100%"]
+    assert store.read().weight("C", NATIVE) == 10_000
+    # At 100% the class is no longer shared: the ramp is done.
+    backdate(store, 600)
+    assert guard_once(store, engine, settings) == []
+
+
+def test_a_ramp_with_a_bad_new_side_is_rolled_back_not_stepped(db):
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights(RAMP)
+    assert guard_once(store, engine, settings) == []
+    backdate(store, 600)
+    archived(engine, owner("native"), count=10)
+    archived(engine, owner("runner-fallback"), count=5)
+    assert guard_once(store, engine, settings) == ["rollback C (native)"]
+    canary = store.read()
+    assert canary.weight("C", NATIVE) == 0
+    assert [e.event for e in canary.state.history] == ["rollback"]
+
+
+def fell_back_rows(engine: sa.Engine, count: int, task_class: str = "C") -> None:
+    """``count`` active rows a new side gave back: failureTime set, no failure counted."""
+    now = int(time.time())
+    rows = [
+        {
+            "id": next(_ids),
+            "taskClass": task_class,
+            "leaseOwner": None,
+            "leaseExpires": None,
+            "failureCount": 0,
+            "dataID": 1,
+            "failureTime": now,
+            "priority": 3000,
+            "dateCreated": now,
+            "dateModified": now,
+        }
+        for _ in range(count)
+    ]
+    with engine.begin() as conn:
+        conn.execute(sa.insert(active), rows)
+
+
+def test_fallbacks_waiting_for_the_old_side_count_as_new_side_failures(db):
+    engine, _settings = db
+    archived(engine, owner("native"), count=7)
+    fell_back_rows(engine, 3)  # phd has a backlog: not archived yet
+    fell_back_rows(engine, 5, task_class="Other")
+    w = read_window(engine, "C", NATIVE, 300, 100)
+    assert (w.new.runs, w.new.successes, w.new.fallbacks) == (10, 7, 3)
+    assert w.old.runs == 0  # the old side has not run them yet
+    assert verdict(w, BOUNDS) is not None
+
+
+def test_after_a_promotion_only_newer_runs_are_judged(db):
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights(WEIGHTS)
+    archived(engine, owner("native"), count=14, age=30)
+    archived(engine, owner("runner-fallback"), count=6, age=30)
+    assert guard_once(store, engine, settings) == ["rollback C (native)"]
+    now = int(time.time())
+    store.change_state(lambda s: s.with_promotion("C", NATIVE, now, 20.0, "fixed"))
+    # The failures that made the rollback are older than the promotion: no new trip.
+    assert guard_once(store, engine, settings) == []
+    assert store.read().weight("C", NATIVE) == 2000
+    archived(engine, owner("native"), count=7)
+    archived(engine, owner("runner-fallback"), count=3)
+    assert guard_once(store, engine, settings) == ["rollback C (native)"]

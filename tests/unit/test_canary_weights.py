@@ -1,0 +1,252 @@
+"""The canary's weights and state (bridge/canary/weights.py): the side a task goes to,
+the labels that say who ran it, the option's checks and the state's transitions."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+
+from bridge.canary.weights import (
+    BRIDGE,
+    FELL_BACK,
+    HISTORY_PER_CLASS,
+    LABEL_ROOM,
+    NATIVE,
+    NEW,
+    NO_CANARY,
+    OLD,
+    OPTION,
+    SCALE,
+    STATE_OPTION,
+    Canary,
+    CanaryState,
+    LevelState,
+    bucket,
+    canary_of,
+    label_of,
+    labelled,
+    parse_weights,
+    percent,
+    side_of,
+)
+from bridge.errors import ConfigError
+
+IDS = range(1, 10_001)
+
+
+def test_the_bucket_is_crc32_of_level_and_id_and_stable():
+    assert bucket(BRIDGE, 42) == zlib.crc32(b"bridge:42") % SCALE
+    assert bucket(NATIVE, 42) == zlib.crc32(b"native:42") % SCALE
+    # Pinned, as PHP's crc32() gives them (a change would move tasks between the sides
+    # mid-migration); MySQL's CRC32() is checked in tests/integration/test_canary_store.py.
+    assert [bucket(BRIDGE, n) for n in (1, 2, 1000)] == [8032, 8650, 6352]
+    assert [bucket(NATIVE, n) for n in (1, 2, 1000)] == [1906, 8776, 7841]
+
+
+@pytest.mark.parametrize("level", [BRIDGE, NATIVE])
+@pytest.mark.parametrize("share", [5, 20, 50])
+def test_the_new_side_takes_its_share_within_one_and_a_half_points(level, share):
+    canary = canary_of({"C": {level: share}}, None)
+    taken = sum(canary.takes(level, "C", n, None) for n in IDS)
+    assert abs(taken / len(IDS) * 100 - share) <= 1.5
+    # The same ids every time: a retry stays where it was sent.
+    assert taken == sum(canary.takes(level, "C", n, None) for n in IDS)
+
+
+def test_the_levels_split_independently():
+    at_bridge = {n for n in IDS if bucket(BRIDGE, n) < 2000}
+    at_native = {n for n in IDS if bucket(NATIVE, n) < 2000}
+    assert at_bridge != at_native
+
+
+def test_zero_and_a_hundred_and_a_failed_row():
+    canary = canary_of({"Half": {"bridge": 50}, "None": {"bridge": 0}}, None)
+    assert all(canary.takes(BRIDGE, "Other", n, None) for n in range(50))  # default: 100
+    assert all(canary.takes(BRIDGE, "Other", n, 1700000000) for n in range(50))
+    assert not any(canary.takes(BRIDGE, "None", n, None) for n in range(50))
+    # A row that failed (or fell back) is the old side's, whatever its bucket.
+    new = [n for n in range(50) if canary.takes(BRIDGE, "Half", n, None)]
+    assert new and not any(canary.takes(BRIDGE, "Half", n, 1700000000) for n in new)
+    assert NO_CANARY.weight("Anything", NATIVE) == SCALE
+
+
+def test_the_default_entry_applies_to_classes_not_named():
+    canary = canary_of({"*": {"bridge": 0}, "Moved": {"bridge": 100}}, None)
+    assert canary.weight("Unnamed", BRIDGE) == 0
+    assert canary.weight("Moved", BRIDGE) == SCALE
+    assert canary.named == ["Moved"]
+    assert canary.partial() == []
+
+
+def test_labels_of_lease_owners():
+    assert label_of(None) is None
+    assert label_of("1234:1700000000:web01:7") is None  # Phorge's own taskmasters
+    assert label_of("phd:1234:1700000000:web01:7") == "phd"
+    assert label_of("phd-fallback:1234:1700000000:web01:7") == "phd-fallback"
+    assert label_of("bridge:native:1234:1700000000:web01:7") == "native"
+    assert label_of("bridge:conduit-fallback:1:1700000000:h:1") == "conduit-fallback"
+    owner = "bridge:1234:1700000000:web01:7"
+    assert labelled(owner, "runner") == "bridge:runner:1234:1700000000:web01:7"
+    assert label_of(labelled(owner, "runner")) == "runner"
+    # The epoch stays third from the end.
+    assert labelled(owner, "native").split(":")[-3] == "1700000000"
+    assert len(":conduit-fallback") == LABEL_ROOM
+
+
+@pytest.mark.parametrize(
+    ("level", "label", "side"),
+    [
+        (NATIVE, "native", NEW),
+        (NATIVE, "runner", OLD),
+        (NATIVE, "conduit", OLD),
+        (NATIVE, "runner-fallback", FELL_BACK),
+        (NATIVE, "conduit-fallback", FELL_BACK),
+        (BRIDGE, None, OLD),
+        (BRIDGE, "phd", OLD),
+        (BRIDGE, "phd-fallback", FELL_BACK),
+        (BRIDGE, "native", NEW),
+        (BRIDGE, "runner", NEW),
+        (BRIDGE, "conduit", NEW),
+    ],
+)
+def test_side_of_a_label(level, label, side):
+    assert side_of(level, label) == side
+
+
+@pytest.mark.parametrize(
+    ("value", "names"),
+    [
+        ({"Mail": {"bridge": 101}}, "Mail.bridge"),
+        ({"Mail": {"bridge": -1}}, "Mail.bridge"),
+        ({"Mail": {"bridge": "5"}}, "Mail.bridge"),
+        ({"Mail": {"bridge": True}}, "Mail.bridge"),
+        ({"Mail": {"natve": 5}}, "Mail"),
+        ({"Mail": 5}, "Mail"),
+        ({"Mail": {"ramp": {"level": "phd", "steps": [1]}}}, "Mail.ramp.level"),
+        ({"Mail": {"ramp": {"level": "bridge", "steps": [5, 1]}}}, "Mail.ramp.steps"),
+        ({"Mail": {"ramp": {"level": "bridge", "steps": [0, 5]}}}, "Mail.ramp.steps"),
+        ({"Mail": {"ramp": {"level": "bridge", "steps": []}}}, "Mail.ramp.steps"),
+        ({"Mail": {"ramp": {"level": "bridge", "steps": [5], "dwell": 0}}}, "Mail.ramp.dwell"),
+        ({"Mail": {"bridge": 5, "ramp": {"level": "bridge", "steps": [5]}}}, "Mail"),
+        ({"*": {"bridge": 5}}, "*"),
+        ([1, 2], "JSON object"),
+    ],
+)
+def test_bad_weights_name_the_option_and_the_class(value, names):
+    with pytest.raises(ConfigError) as raised:
+        parse_weights(value)
+    assert raised.value.setting == OPTION
+    assert str(raised.value).startswith(f"{OPTION}: ")
+    assert names in str(raised.value)
+
+
+def test_only_one_level_may_be_partial():
+    with pytest.raises(ConfigError, match="Mail: only one level may be below 100"):
+        parse_weights({"Mail": {"bridge": 50, "native": 50}})
+    with pytest.raises(ConfigError, match="only one level"):
+        parse_weights({"Mail": {"native": 0, "ramp": {"level": "bridge", "steps": [5]}}})
+    # Both levels at 0 or 100 with one partial is fine: one level shares the class.
+    assert parse_weights({"Mail": {"bridge": 100, "native": 20}})["Mail"].native == 2000
+
+
+def test_php_writes_an_empty_option_as_an_empty_array():
+    assert parse_weights([]) == {} and parse_weights(None) == {}
+    assert CanaryState.from_json([]) == CanaryState()
+    assert CanaryState.from_json({"classes": [], "history": []}) == CanaryState()
+    assert CanaryState.from_json({"classes": {"C": []}}) == CanaryState()
+
+
+def test_decimals_are_basis_points():
+    assert parse_weights({"C": {"native": 0.05}})["C"].native == 5
+    assert percent(5) == 0.05 and percent(2000) == 20
+
+
+RAMP = {"C": {"ramp": {"level": "native", "steps": [1, 5, 25, 100], "dwell": 60}}}
+
+
+def test_effective_weight_follows_the_ramp_then_the_rollback():
+    state = CanaryState()
+    canary = canary_of(RAMP, state.to_json())
+    assert canary.weight("C", NATIVE) == 100 and canary.level_of("C") == NATIVE
+    assert canary.partial() == [("C", NATIVE, 100)]
+    state = state.with_step("C", NATIVE, 1000, 2, 25.0)
+    assert canary_of(RAMP, state.to_json()).weight("C", NATIVE) == 2500
+    state = state.with_step("C", NATIVE, 1060, 7, 100.0)  # past the end: clamped
+    assert canary_of(RAMP, state.to_json()).weight("C", NATIVE) == SCALE
+    state = state.with_rollback("C", NATIVE, 1100, "worse")
+    rolled = canary_of(RAMP, state.to_json())
+    assert rolled.weight("C", NATIVE) == 0 and rolled.level_of("C") is None
+    assert rolled.weight("C", BRIDGE) == SCALE  # the other level is untouched
+    assert rolled.partial() == []
+    # Promotion clears it, and the ramp starts again from its first step.
+    promoted = state.with_promotion("C", NATIVE, 1200, 1.0, "fixed")
+    again = canary_of(RAMP, promoted.to_json())
+    assert again.weight("C", NATIVE) == 100
+    assert again.state.of("C", NATIVE) == LevelState(step=0, step_since=1200)
+
+
+def test_a_rollback_of_a_fixed_weight_and_its_promotion():
+    weights = {"C": {"bridge": 5}}
+    state = CanaryState().with_rollback("C", BRIDGE, 10, "by hand")
+    assert canary_of(weights, state.to_json()).weight("C", BRIDGE) == 0
+    # Also for a class not named at all (a class wholly moved, sent back).
+    assert canary_of({}, state.to_json()).weight("C", BRIDGE) == 0
+    promoted = state.with_promotion("C", BRIDGE, 20, 5.0)
+    assert canary_of(weights, promoted.to_json()).weight("C", BRIDGE) == 500
+
+
+def test_the_state_round_trips_through_json():
+    state = (
+        CanaryState()
+        .with_rollback("A", NATIVE, 100, "new side success 70.0%")
+        .with_step("B", BRIDGE, 200, 1, 5.0)
+        .with_promotion("A", NATIVE, 300, 20.0, "fixed in 1.2")
+        .with_rollback("B", BRIDGE, 400, "slow")
+        .with_step("B", BRIDGE, 500, 2, 25.0, "by hand", event="promote")
+    )
+    text = json.dumps(state.to_json())
+    assert CanaryState.from_json(json.loads(text)) == state
+    value = json.loads(text)
+    assert value["classes"]["B"]["bridge"]["rolled_back"] == {"at": 400, "reason": "slow"}
+    assert "rolled_back" not in value["classes"]["A"]["native"]
+    assert [e["event"] for e in value["history"]] == [
+        "rollback",
+        "step",
+        "promote",
+        "rollback",
+        "promote",
+    ]
+    assert value["history"][0] == {
+        "at": 100,
+        "class": "A",
+        "level": "native",
+        "event": "rollback",
+        "weight": 0,
+        "reason": "new side success 70.0 percent",  # no "%": `bin/config get` formats it
+    }
+
+
+def test_a_state_the_bridge_did_not_write_is_refused():
+    for value in ({"classes": {"A": {"native": {"step": "x"}}}}, {"history": [{"at": 1}]}, [1]):
+        with pytest.raises(ValueError, match=STATE_OPTION):
+            CanaryState.from_json(value)
+
+
+def test_history_keeps_the_newest_fifty_events_per_class():
+    state = CanaryState().with_rollback("Other", BRIDGE, 1, "kept")
+    for at in range(2, 2 + 2 * HISTORY_PER_CLASS):
+        state = state.with_step("C", NATIVE, at, at, 1.0)
+    mine = [e for e in state.history if e.task_class == "C"]
+    assert len(mine) == HISTORY_PER_CLASS
+    assert [e.at for e in mine] == list(range(2 + HISTORY_PER_CLASS, 2 + 2 * HISTORY_PER_CLASS))
+    assert [e.task_class for e in state.history].count("Other") == 1
+    assert state.history[-1].at == 1 + 2 * HISTORY_PER_CLASS  # newest last
+    assert CanaryState.from_json(state.to_json()) == state
+
+
+def test_a_canary_holds_its_weights_and_state():
+    canary = Canary(parse_weights({"C": {"native": 20}}), CanaryState())
+    assert canary.configured("C").native == 2000
+    assert canary.configured("D").native == SCALE
