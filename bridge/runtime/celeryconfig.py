@@ -66,11 +66,13 @@ beat_schedule = {
         "options": {"expiration": 10 * _settings.poll_interval},
     },
     # The gray migration's guard (bridge.canary.guard): one read of the weights while no
-    # class is shared. Sent, like the polls, only by the beat holding the beat lock.
+    # class is shared. Sent, like the polls, only by the beat holding the beat lock. The
+    # polls' TTL: RabbitMQ drops an expired message only at the head of the queue, so a
+    # longer-lived guard ahead of them would keep every poll behind it waiting.
     "canary-guard": {
         "task": "bridge.canary_guard",
         "schedule": _settings.canary_guard_interval,
-        "options": {"expiration": 10 * _settings.canary_guard_interval},
+        "options": {"expiration": 10 * _settings.poll_interval},
     },
 }
 

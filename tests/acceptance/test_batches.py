@@ -46,14 +46,21 @@ def test_slow_tasks_of_a_batch_are_sent_on_to_other_processes(make_bridge, datab
     assert Counter(r["id"] for r in runs) == Counter(ids), "a task ran twice"
     # Each batch ran its first task, then sent the second on as a message of its own,
     # which its result names, and which ran that task.
-    log = worker.log()
-    sent_on = re.findall(
-        r"'1 task\(s\): 1 success \(#\d+\); 1 sent on: bridge\.execute\[([-0-9a-f]+)\] \(#(\d+)\)'",
-        log,
+    sent_on_line = (
+        r"'1 task\(s\): 1 success \(#\d+\); 1 sent on: bridge\.execute\[([-0-9a-f]+)\] \(#(\d+)\)'"
     )
-    assert len(sent_on) == SLOW_TASKS // 2
-    for message_id, task_id in sent_on:
-        assert re.search(
-            rf"bridge\.execute\[{message_id}\] succeeded in \S+ 'RecordedA#{task_id} \[native\]: ",
-            log,
+
+    def each_sent_on_message_ran_its_task() -> bool:
+        # Celery logs a message's end after its outcome is archived: wait for the lines.
+        log = worker.log()
+        sent_on = re.findall(sent_on_line, log)
+        return len(sent_on) == SLOW_TASKS // 2 and all(
+            re.search(
+                rf"bridge\.execute\[{message_id}\] succeeded in \S+ "
+                rf"'RecordedA#{task_id} \[native\]: ",
+                log,
+            )
+            for message_id, task_id in sent_on
         )
+
+    bridge.wait_until(each_sent_on_message_ran_its_task, 30, "each sent-on message's line")
