@@ -81,13 +81,25 @@ class PrivateRedis(PrivateBroker):
         return self.directory / "redis.pid"
 
     def start(self) -> None:
-        subprocess.run(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--daemonize",
-             "yes", "--save", "", "--appendonly", "yes", "--dir", str(self.directory),
-             "--pidfile", str(self.pidfile), "--logfile", str(self.directory / "redis.log")],
-            check=True,
-        )  # fmt: skip
-        _poll(lambda: self._ping(), START_TIMEOUT, "private Redis to answer")
+        """Start it, and again while it does not answer: a server killed a moment ago can
+        still hold the port, and the new one then exits at once ("Address already in
+        use"); a second start while the first one loads its file exits as harmlessly."""
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            subprocess.run(
+                ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--daemonize",
+                 "yes", "--save", "", "--appendonly", "yes", "--dir", str(self.directory),
+                 "--pidfile", str(self.pidfile), "--logfile", str(self.directory / "redis.log")],
+                check=True,
+            )  # fmt: skip
+            try:
+                _poll(lambda: self._ping(), 5, "private Redis to answer")
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"private Redis to answer within {START_TIMEOUT:.0f}s"
+                    ) from None
 
     def _ping(self) -> bool:
         result = subprocess.run(
