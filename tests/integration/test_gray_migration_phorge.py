@@ -21,7 +21,6 @@ Every wait is on a condition in the database (or the receiver), never a fixed ti
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import time
@@ -32,10 +31,6 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 import pytest
-
-if not os.environ.get("PHORGE_ROOT"):  # collected with PHORGE_ROOT only (tests/conftest.py)
-    pytest.skip("needs PHORGE_ROOT", allow_module_level=True)
-
 from bridge_harness import Bridge, deployments
 from gray_phorge import (
     CHAIN,

@@ -19,7 +19,6 @@ never for a fixed time.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -29,10 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-if not os.environ.get("PHORGE_ROOT"):  # collected with PHORGE_ROOT only (tests/conftest.py)
-    pytest.skip("needs PHORGE_ROOT", allow_module_level=True)
-
 import sqlalchemy as sa
 from phorge_daemon import DAEMON, CanaryLab, Daemon, daemon, options_held
 from phorge_env import Phorge, phorge_root, worker_database_url
