@@ -87,13 +87,61 @@ def missing_table(exc: DBAPIError) -> bool:
     return "no such table" in str(orig)
 
 
-def decode_weights(raw: str | None) -> Any:
+PHP_JSON_DEPTH = 511  # the arrays json_decode() nests at its default depth (512)
+
+
+def _php_array(pairs: list[tuple[str, Any]]) -> Any:
+    # An object keyed "0", "1", ... in order is a list once PHP has decoded it.
+    value = dict(pairs)
+    if value and list(value) == [str(n) for n in range(len(value))]:
+        return list(value.values())
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_PHP_DECODER = json.JSONDecoder(object_pairs_hook=_php_array, parse_constant=_refuse_constant)
+
+
+def php_json(raw: str) -> Any:
+    """``raw`` decoded as PHP's ``json_decode($raw, true)`` decodes it, so that both sides
+    judge the same value: objects keyed 0, 1, ... become lists; NaN and Infinity, lone
+    UTF-16 surrogates and arrays nested deeper than 511 are refused (ValueError)."""
+    try:
+        value = _PHP_DECODER.decode(raw)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {PHP_JSON_DEPTH} arrays") from None
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= PHP_JSON_DEPTH:
+                raise ValueError(f"nested deeper than {PHP_JSON_DEPTH} arrays")
+            for key, entry in item.items() if isinstance(item, dict) else enumerate(item):
+                stack += [(key, depth), (entry, depth + 1)]
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a lone UTF-16 surrogate") from None
+    return value
+
+
+def read_json(option: str, raw: str | None) -> Any:
+    """An option's raw value (None: no row) decoded by :func:`php_json`; raises
+    ConfigError naming the option."""
     if raw is None:
         return None
     try:
-        return json.loads(raw)
+        return php_json(raw)
     except ValueError as exc:
-        raise ConfigError(OPTION, f"not JSON: {exc}") from None
+        raise ConfigError(option, f"not JSON: {exc}") from None
+
+
+def decode_weights(raw: str | None) -> Any:
+    return read_json(OPTION, raw)
 
 
 def decode_state(raw: str | None) -> CanaryState:
@@ -101,7 +149,7 @@ def decode_state(raw: str | None) -> CanaryState:
     if raw is None:
         return CanaryState()
     try:
-        return CanaryState.from_json(json.loads(raw))
+        return CanaryState.from_json(php_json(raw))
     except ValueError as exc:
         raise ConfigError(
             STATE_OPTION,
@@ -168,9 +216,10 @@ class CanaryStore:
 
     def set_weights(self, value: Mapping[str, Any]) -> None:
         """Write the operator's option, as ``bin/config set --database`` would (refusing
-        weights the bridge would refuse)."""
-        parse_weights(value)
-        self._write(OPTION, lambda _raw: encode(value))
+        weights the bridge, or PHP, would refuse once read back)."""
+        raw = encode(value)
+        parse_weights(decode_weights(raw))
+        self._write(OPTION, lambda _raw: raw)
 
     def change_state(self, change: Callable[[CanaryState], CanaryState]) -> CanaryState:
         """Apply ``change`` to the state in one transaction, the row locked FOR UPDATE

@@ -7,6 +7,10 @@ choice of side is a hash of the task id that PHP (``PhorgeBridgeCanary.php``) an
 (``CRC32``) compute alike, so the bridge's poll, its workers and the shipped daemon agree
 on every row without talking to each other. A row that ever failed (``failureTime``
 set: an old-side failure, or a fallback from the new side) stays with the old side.
+
+The parsers take the values as PHP's ``json_decode($raw, true)`` gives them (the store
+decodes the rows so), where ``[]`` is also ``{}``: both sides accept and refuse the same
+values, as tests/unit/test_canary_php_parity.py checks against the PHP itself.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bridge.errors import ConfigError
+from bridge.phorge.php import PHP_INT
 
 SCALE = 10_000  # weights in basis points: 0.01% steps
 BRIDGE, NATIVE = "bridge", "native"
@@ -68,6 +73,27 @@ def side_of(level: str, label: str | None) -> str:
     return OLD if label in (None, PHD) else NEW
 
 
+def _object(value: Any) -> Mapping[str, Any] | None:
+    """``value`` as a JSON object, None when it is not one. ``[]`` is the empty object:
+    PHP's ``json_encode()`` writes ``{}`` so (``bin/config set '{"X": {}}'`` stores
+    ``{"X":[]}``)."""
+    if isinstance(value, Mapping):
+        return value
+    return {} if value == [] else None
+
+
+def _as_object(value: Any) -> Mapping[str, Any]:
+    found = _object(value)
+    if found is None:
+        raise TypeError(f"expected an object, got {value!r}")
+    return found
+
+
+def _php_int(value: Any) -> bool:
+    """Whether ``value`` is an integer PHP reads as one (beyond 64 bits it is a float)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value in PHP_INT
+
+
 def _percent(value: Any, where: str, low_open: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(OPTION, f"{where}: expected a percentage, got {value!r}")
@@ -99,9 +125,10 @@ class ClassWeights:
         return self.bridge if level == BRIDGE else self.native
 
 
-def _ramp(value: Any, where: str) -> Ramp:
-    if not isinstance(value, Mapping) or set(value) - {"level", "steps", "dwell"}:
-        raise ConfigError(OPTION, f"{where}.ramp: expected {{level, steps, dwell}}, got {value!r}")
+def _ramp(given: Any, where: str) -> Ramp:
+    value = _object(given)
+    if value is None or set(value) - {"level", "steps", "dwell"}:
+        raise ConfigError(OPTION, f"{where}.ramp: expected {{level, steps, dwell}}, got {given!r}")
     level = value.get("level")
     if level not in LEVELS:
         raise ConfigError(OPTION, f"{where}.ramp.level: expected bridge or native, got {level!r}")
@@ -112,15 +139,17 @@ def _ramp(value: Any, where: str) -> Ramp:
     if list(bps) != sorted(set(bps)):
         raise ConfigError(OPTION, f"{where}.ramp.steps: must rise, got {steps!r}")
     dwell = value.get("dwell", DEFAULT_DWELL)
-    if isinstance(dwell, bool) or not isinstance(dwell, int) or dwell <= 0:
+    if not _php_int(dwell) or dwell <= 0:
         raise ConfigError(OPTION, f"{where}.ramp.dwell: expected seconds > 0, got {dwell!r}")
     return Ramp(level, bps, dwell)
 
 
-def _class_weights(name: str, value: Any) -> ClassWeights:
-    if not isinstance(value, Mapping) or set(value) - {BRIDGE, NATIVE, "ramp"}:
+def _class_weights(name: str, given: Any) -> ClassWeights:
+    """A class's entry; a level it leaves out is 100 (``{}``: the class wholly new)."""
+    value = _object(given)
+    if value is None or set(value) - {BRIDGE, NATIVE, "ramp"}:
         raise ConfigError(
-            OPTION, f"{name}: expected an object with bridge, native or ramp, got {value!r}"
+            OPTION, f"{name}: expected an object with bridge, native or ramp, got {given!r}"
         )
     weights = ClassWeights(
         bridge=_percent(value.get(BRIDGE, 100), f"{name}.bridge"),
@@ -194,28 +223,37 @@ class CanaryState:
 
     @classmethod
     def from_json(cls, value: Any) -> CanaryState:
-        """Read the option's value; raises ValueError when it is not one."""
-        if value in (None, [], {}):
+        """Read the option's value; raises ValueError when it is not what the bridge
+        writes (``to_json``, with PHP's ``[]`` for an empty object): a ``step`` is an
+        integer from 0, a level is rolled back once its ``rolled_back`` has an ``at``."""
+        if value is None:
             return cls()
         try:
+            state = _as_object(value)
+            history = state.get("history", [])
+            if not isinstance(history, list) and history != {}:
+                raise TypeError("history: not a list")
             levels = {
-                (name, level): LevelState(
-                    rolled_back_at=(entry.get("rolled_back") or {}).get("at"),
-                    reason=(entry.get("rolled_back") or {}).get("reason", ""),
-                    step=int(entry.get("step", 0)),
-                    step_since=entry.get("step_since"),
-                )
-                # PHP's json_encode() writes an empty object as [] (an empty array)
-                for name, by_level in (value.get("classes") or {}).items()
-                for level, entry in (by_level or {}).items()
+                (name, level): cls._level(_as_object(entry))
+                for name, by_level in _as_object(state.get("classes", {})).items()
+                for level, entry in _as_object(by_level).items()
             }
-            history = tuple(
+            events = tuple(
                 Event(e["at"], e["class"], e["level"], e["event"], e["weight"], e.get("reason", ""))
-                for e in value.get("history") or []
+                for e in history
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{STATE_OPTION}: not the bridge's state: {value!r}") from exc
-        return cls(levels, history)
+        return cls(levels, events)
+
+    @staticmethod
+    def _level(entry: Mapping[str, Any]) -> LevelState:
+        step = entry.get("step", 0)
+        if not _php_int(step) or step < 0:
+            raise TypeError(f"step: expected an integer from 0, got {step!r}")
+        rolled_back = entry.get("rolled_back")
+        since = {} if rolled_back is None else _as_object(rolled_back)
+        return LevelState(since.get("at"), since.get("reason", ""), step, entry.get("step_since"))
 
     def to_json(self) -> dict[str, Any]:
         classes: dict[str, dict[str, Any]] = {}

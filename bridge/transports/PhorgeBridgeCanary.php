@@ -116,7 +116,7 @@ final class PhorgeBridgeCanary {
     $ramp = $configured['ramp'];
     if ($ramp !== null && $ramp['level'] === $level) {
       $steps = $ramp['steps'];
-      $step = max(0, min((int)$state['step'], count($steps) - 1));
+      $step = min($state['step'], count($steps) - 1);
       return $steps[$step];
     }
     return $configured[$level];
@@ -388,10 +388,10 @@ final class PhorgeBridgeCanary {
     return $weights;
   }
 
+  // A class's entry; a level it leaves out is 100 ({}: the class wholly new).
   private static function parseClassWeights($name, $value) {
     $known = array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE, 'ramp');
-    if (!is_array($value) || self::isList($value) ||
-        array_diff(array_keys($value), $known)) {
+    if (!self::isObject($value) || array_diff(array_keys($value), $known)) {
       throw self::newWeightsException(
         pht(
           '%s: expected an object with bridge, native or ramp, got %s',
@@ -451,7 +451,7 @@ final class PhorgeBridgeCanary {
 
   private static function parseRamp($name, $value) {
     $where = $name.'.ramp';
-    if (!is_array($value) || self::isList($value) ||
+    if (!self::isObject($value) ||
         array_diff(array_keys($value), array('level', 'steps', 'dwell'))) {
       throw self::newWeightsException(
         pht(
@@ -535,8 +535,9 @@ final class PhorgeBridgeCanary {
   /**
    * phorge-bridge.canary-state's value (decoded JSON; null or an empty array
    * when unset): per class and level, whether it is rolled back (its
-   * "rolled_back" has an "at") and the ramp step reached. The history is the
-   * bridge's to read.
+   * "rolled_back" has an "at") and the ramp step reached (an integer from 0).
+   * Anything else the bridge does not write is refused, as the bridge refuses
+   * it. The history is the bridge's to read.
    */
   public static function parseState($value) {
     if ($value === null || $value === array()) {
@@ -546,7 +547,7 @@ final class PhorgeBridgeCanary {
       throw self::newStateException($value);
     }
     $classes = idx($value, 'classes', array());
-    if (!is_array($classes) || ($classes && self::isList($classes))) {
+    if (!self::isObject($classes)) {
       throw self::newStateException($value);
     }
     $history = idx($value, 'history', array());
@@ -563,28 +564,26 @@ final class PhorgeBridgeCanary {
 
     $state = array();
     foreach ($classes as $name => $levels) {
-      if (!is_array($levels) || ($levels && self::isList($levels))) {
+      if (!self::isObject($levels)) {
         throw self::newStateException($value);
       }
       foreach ($levels as $level => $entry) {
-        if (!is_array($entry) || ($entry && self::isList($entry))) {
+        if (!self::isObject($entry)) {
           throw self::newStateException($value);
         }
         // As the bridge reads it: rolled back once "rolled_back" has an "at".
         $rolled_back = idx($entry, 'rolled_back');
-        if ($rolled_back && (!is_array($rolled_back) || self::isList($rolled_back))) {
+        if ($rolled_back !== null && !self::isObject($rolled_back)) {
           throw self::newStateException($value);
         }
         $step = idx($entry, 'step', 0);
-        if (is_string($step) && preg_match('/^\s*[+-]?\d+\s*\z/', $step)) {
-          $step = (int)trim($step);
-        }
-        if (!is_int($step) && !is_float($step) && !is_bool($step)) {
+        if (!is_int($step) || $step < 0) {
           throw self::newStateException($value);
         }
         $state[(string)$name][(string)$level] = array(
-          'rolledBack' => ($rolled_back && idx($rolled_back, 'at') !== null),
-          'step' => (int)$step,
+          'rolledBack' =>
+            ($rolled_back !== null && idx($rolled_back, 'at') !== null),
+          'step' => $step,
         );
       }
     }
@@ -594,6 +593,12 @@ final class PhorgeBridgeCanary {
   private static function isList(array $value) {
     return ($value === array() ||
       array_keys($value) === range(0, count($value) - 1));
+  }
+
+  // A JSON object once json_decode($raw, true) has read it: an array that is
+  // not a list, or array() (json_encode() writes {} as [], so both are one).
+  private static function isObject($value) {
+    return (is_array($value) && ($value === array() || !self::isList($value)));
   }
 
   private static function describe($value) {

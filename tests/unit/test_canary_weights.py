@@ -129,6 +129,9 @@ def test_side_of_a_label(level, label, side):
         ({"Mail": {"ramp": {"level": "bridge", "steps": [0, 5]}}}, "Mail.ramp.steps"),
         ({"Mail": {"ramp": {"level": "bridge", "steps": []}}}, "Mail.ramp.steps"),
         ({"Mail": {"ramp": {"level": "bridge", "steps": [5], "dwell": 0}}}, "Mail.ramp.dwell"),
+        # Past PHP's integers: a float there.
+        ({"Mail": {"ramp": {"level": "bridge", "steps": [5], "dwell": 2**63}}}, "Mail.ramp.dwell"),
+        ({"Mail": {"ramp": []}}, "Mail.ramp.level"),  # PHP's {}: no level
         ({"Mail": {"bridge": 5, "ramp": {"level": "bridge", "steps": [5]}}}, "Mail"),
         ({"*": {"bridge": 5}}, "*"),
         ([1, 2], "JSON object"),
@@ -155,7 +158,16 @@ def test_php_writes_an_empty_option_as_an_empty_array():
     assert parse_weights([]) == {} and parse_weights(None) == {}
     assert CanaryState.from_json([]) == CanaryState()
     assert CanaryState.from_json({"classes": [], "history": []}) == CanaryState()
-    assert CanaryState.from_json({"classes": {"C": []}}) == CanaryState()
+    assert CanaryState.from_json({"classes": {"C": []}, "history": {}}) == CanaryState()
+    state = CanaryState.from_json({"classes": {"C": {"bridge": [], "native": {"rolled_back": []}}}})
+    assert state.of("C", BRIDGE) == state.of("C", NATIVE) == LevelState()
+
+
+@pytest.mark.parametrize("entry", [{}, []])  # `bin/config set '{"X": {}}'` stores {"X":[]}
+def test_a_class_with_no_weights_is_wholly_new(entry):
+    canary = canary_of({"*": {"bridge": 0}, "X": entry}, None)
+    assert canary.weight("X", BRIDGE) == canary.weight("X", NATIVE) == SCALE
+    assert canary.weight("Other", BRIDGE) == 0 and canary.named == ["X"]
 
 
 def test_decimals_are_basis_points():
@@ -228,10 +240,24 @@ def test_the_state_round_trips_through_json():
     }
 
 
-def test_a_state_the_bridge_did_not_write_is_refused():
-    for value in ({"classes": {"A": {"native": {"step": "x"}}}}, {"history": [{"at": 1}]}, [1]):
-        with pytest.raises(ValueError, match=STATE_OPTION):
-            CanaryState.from_json(value)
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"classes": {"A": {"native": {"step": "x"}}}},
+        {"history": [{"at": 1}]},
+        [1],
+        # A step is an integer from 0 (PHP's): never a string, a float, a bool, negative.
+        *({"classes": {"A": {"native": {"step": step}}}} for step in ("2", 1.0, True, -1, 2**63)),
+        {"classes": None},
+        {"classes": {"A": None}},
+        {"history": None},
+        {"history": ""},
+        {"classes": {"A": {"native": {"rolled_back": False}}}},
+    ],
+)
+def test_a_state_the_bridge_did_not_write_is_refused(value):
+    with pytest.raises(ValueError, match=STATE_OPTION):
+        CanaryState.from_json(value)
 
 
 def test_history_keeps_the_newest_fifty_events_per_class():

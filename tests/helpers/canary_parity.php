@@ -1,0 +1,147 @@
+<?php
+
+/**
+ * PhorgeBridgeCanary's pure part (bucket, option parsing, the side chosen) under
+ * plain php-cli, without Phorge: tests/unit/test_canary_php_parity.py runs it
+ * once for its whole table and compares every answer with Python's.
+ *
+ * Reads one JSON request on stdin:
+ *
+ *   {"buckets": {"levels": [...], "ids": [...]},
+ *    "cases": [{"weights": raw JSON or null, "state": raw JSON or null,
+ *               "classes": [...], "ids": [...], "failures": [null, 0, ...]}]}
+ *
+ * and writes one JSON answer on stdout: the buckets per level, and per case
+ * each option's refusal (its message) or, when both are accepted, the weights
+ * of the classes, the named classes and, per class, level and failure time, a
+ * string of "1" (the new side takes the id) and "0". A case is read as
+ * PhorgeBridgeCanary::refresh() reads the config rows (decodeValue(), then the
+ * parsers); anything but the canary's own exception (a PHP warning included)
+ * is a "crash", which the test reports.
+ *
+ * The shims below stand for the three libphutil functions the pure part calls;
+ * idx() and array_fuse() are arcanist's (src/utils/utils.php), pht() is what
+ * PhutilTranslator::translate() does with no translation loaded: vsprintf().
+ */
+
+if (!function_exists('idx')) {
+  function idx(array $array, $key, $default = null) {
+    // isset() is a micro-optimization - it is fast but fails for null values.
+    if (isset($array[$key])) {
+      return $array[$key];
+    }
+
+    // Comparing $default is also a micro-optimization.
+    if ($default === null || array_key_exists($key, $array)) {
+      return null;
+    }
+
+    return $default;
+  }
+}
+
+if (!function_exists('array_fuse')) {
+  function array_fuse(array $list) {
+    if ($list) {
+      return array_combine($list, $list);
+    }
+    return array();
+  }
+}
+
+if (!function_exists('pht')) {
+  function pht($text /* , ... */) {
+    $args = func_get_args();
+    array_shift($args);
+    return vsprintf($text, $args);
+  }
+}
+
+// Every warning and notice is a failure of the case it happens in.
+set_error_handler(
+  function ($severity, $message, $file, $line) {
+    throw new ErrorException($message, 0, $severity, $file, $line);
+  });
+
+require_once $argv[1];
+
+function canary_parity_option($option, $raw, $decode) {
+  try {
+    $value = $decode->invoke(null, $option, $raw);
+    if ($option === PhorgeBridgeCanary::OPTION) {
+      PhorgeBridgeCanary::parseWeights($value);
+    } else {
+      PhorgeBridgeCanary::parseState($value);
+    }
+    return array($value, null);
+  } catch (PhorgeBridgeCanaryConfigException $ex) {
+    return array(null, $ex->getMessage());
+  }
+}
+
+function canary_parity_case(array $case, $decode) {
+  list($weights, $weights_refused) = canary_parity_option(
+    PhorgeBridgeCanary::OPTION,
+    $case['weights'],
+    $decode);
+  list($state, $state_refused) = canary_parity_option(
+    PhorgeBridgeCanary::STATE_OPTION,
+    $case['state'],
+    $decode);
+  $out = array(
+    'weightsRefused' => $weights_refused,
+    'stateRefused' => $state_refused,
+  );
+  if ($weights_refused !== null || $state_refused !== null) {
+    return $out;
+  }
+
+  $canary = PhorgeBridgeCanary::newFromValues($weights, $state);
+  $levels = array(
+    PhorgeBridgeCanary::LEVEL_BRIDGE,
+    PhorgeBridgeCanary::LEVEL_NATIVE,
+  );
+  $out['named'] = $canary->getNamedClasses();
+  $out['weights'] = array();
+  $out['takes'] = array();
+  foreach ($case['classes'] as $class) {
+    foreach ($levels as $level) {
+      $out['weights'][$class][$level] = $canary->getWeight($class, $level);
+      foreach ($case['failures'] as $failure) {
+        $bits = '';
+        foreach ($case['ids'] as $id) {
+          $bits .= $canary->takes($level, $class, $id, $failure) ? '1' : '0';
+        }
+        $key = ($failure === null) ? 'null' : (string)$failure;
+        $out['takes'][$class][$level][$key] = $bits;
+      }
+    }
+  }
+  return $out;
+}
+
+$request = json_decode(file_get_contents('php://stdin'), true);
+
+$decode = new ReflectionMethod('PhorgeBridgeCanary', 'decodeValue');
+$decode->setAccessible(true);
+
+$buckets = array();
+foreach ($request['buckets']['levels'] as $level) {
+  $buckets[$level] = array();
+  foreach ($request['buckets']['ids'] as $id) {
+    $buckets[$level][] = PhorgeBridgeCanary::bucket($level, $id);
+  }
+}
+
+$cases = array();
+foreach ($request['cases'] as $case) {
+  try {
+    $cases[] = canary_parity_case($case, $decode);
+  } catch (Throwable $ex) {
+    $cases[] = array(
+      'crash' => get_class($ex).': '.$ex->getMessage().' at line '.$ex->getLine(),
+    );
+  }
+}
+
+echo json_encode(array('buckets' => $buckets, 'cases' => $cases));
