@@ -62,7 +62,9 @@ RAW_SMALL = (
 RAW_LARGE = (  # longer than INLINE_DATA_MAX: the worker reads it from worker_taskdata
     '{"key":7713765376809813936,"pad":"' + "x" * 400 + '","uri":"https:\\/\\/h.example\\/y"}'
 )
-LATENESS = 4.0  # slack on a wait: whole seconds of the database clock, a poll, dispatch
+# Slack on a wait: whole seconds of the database clock, a poll, dispatch. Seen on 2 cores
+# loaded by other tests and two busy loops: at most 0.99 s late (retry), 0.98 s (yield).
+LATENESS = 4.0
 WAIT = 30.0
 OUTAGES_AFTER = 15  # seconds after the module's start
 HTML_502 = (
@@ -422,7 +424,7 @@ def test_the_request_carries_the_task_its_raw_data_and_the_token(
         assert json.loads(params["data"])["key"] == BIG
     # retryWait was honoured: the retry came at least its 1 s later.
     gap = calls[1].time - calls[0].time
-    assert SHORT_RETRY_WAIT <= gap <= SHORT_RETRY_WAIT + LATENESS
+    assert SHORT_RETRY_WAIT <= gap <= SHORT_RETRY_WAIT + LATENESS, f"retried after {gap:.2f} s"
 
 
 # -- each result, its queue outcome --------------------------------------------------------
@@ -478,7 +480,7 @@ def test_a_short_yield_comes_back_after_5s(proxy):
         "the yielded task's second run",
     )
     gap = calls[1].time - calls[0].time
-    assert MIN_YIELD <= gap <= MIN_YIELD + LATENESS
+    assert MIN_YIELD <= gap <= MIN_YIELD + LATENESS, f"came back after {gap:.2f} s"
     assert [c.params["failureCount"] for c in calls] == [0, 0]
 
 

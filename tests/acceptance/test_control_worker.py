@@ -11,10 +11,10 @@ control worker still count them (the queue can scale from zero).
 from __future__ import annotations
 
 import signal
-import socket
 import time
 
 import requests
+from local_ports import free_port
 from php_standin import STANDIN_ROOT, php_binary
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
@@ -26,12 +26,6 @@ WAIT = 120.0
 DISPATCH_LEASE = 5  # leases sent to a worker that went away come back this soon
 SURVEY = 16  # the poller asks the workers what they serve every 15 s (1 s to answer)
 LIVENESS_TIMEOUT = 30  # `phorge-bridge health --max-age` as docs/operations.md sets it
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def due_gauge(port: int, queue: str) -> float | None:

@@ -4,19 +4,13 @@ PROMETHEUS_MULTIPROC_DIR): outcomes summed over children, poll and queue gauges.
 from __future__ import annotations
 
 import signal
-import socket
 
 import requests
+from local_ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge import __version__
 from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def samples(url: str) -> dict[tuple[str, frozenset], float]:
@@ -78,22 +72,10 @@ def test_metrics_sum_outcomes_over_children_and_read_the_queue(
     assert list(scratch.iterdir()) == []  # the private directory went with the worker
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 both free now."""
-    while True:
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-
-
 def test_workers_on_one_host_take_ports_of_a_range_and_a_clash_is_one_line(
     make_bridge, database_url, amqp_url
 ):
-    port = free_port_pair()
+    port = free_port(2)  # p and p + 1
     bridge = make_bridge(database_url, amqp_url, METRICS_PORT=f"{port}-{port + 1}")
     workers = [bridge.worker(f"worker-{n}", [bridge.default_queue]) for n in (1, 2)]
     bridge.wait_ready(*workers)

@@ -22,6 +22,8 @@ DECLARED_WAIT = 1
 MAX_RETRIES = 2
 YIELD_SECONDS = 3
 # Slack on top of a declared wait: the database clock's whole seconds, a poll, dispatch.
+# Seen on 2 cores loaded by a full suite or other tests and two busy loops (9 runs of
+# each): at most 1.42 s late on a retry, 1.45 s on the yield; far below any other wait.
 LATENESS = 4.0
 SETTINGS = {
     "DISPATCH_LEASE": str(DISPATCH_LEASE),
@@ -150,7 +152,8 @@ def test_a_yield_comes_back_after_its_duration(scenario):
     first, second = scenario.starts("yield")
     # Yield(delay=YIELD_SECONDS) on the first run, raised to Phorge's minimum of 5 s.
     assert second["time"] >= first["time"] + 5
-    assert second["time"] - first["time"] <= 5 + LATENESS
+    gap = second["time"] - first["time"]
+    assert gap <= 5 + LATENESS, f"the yield came back after {gap:.2f} s"
 
 
 def test_followups_appear_only_after_success_exactly_once(scenario):

@@ -5,7 +5,8 @@ every shipped alert rule evaluates without error on what was scraped."""
 from __future__ import annotations
 
 import yaml
-from prometheus_tools import RULES, free_port, panel_queries
+from local_ports import free_port
+from prometheus_tools import RULES, panel_queries
 
 RATE_WINDOW = "5m"  # for Grafana's $__rate_interval: the whole test
 

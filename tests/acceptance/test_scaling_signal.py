@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 
 import yaml
+from local_ports import free_port
 from php_standin import STANDIN_ROOT, php_binary
-from prometheus_tools import free_port
 
 KEDA = Path(__file__).parents[2] / "deploy" / "kubernetes" / "keda"
 WAIT = 120.0

@@ -31,15 +31,9 @@ from typing import Any
 import bridge_harness as harness
 import pytest
 import sqlalchemy as sa
+from local_ports import claim_port
 from mariadb_launcher import MariaDB
-from private_brokers import (
-    PrivateBroker,
-    PrivateRabbitMQ,
-    PrivateRedis,
-    _gone,
-    _poll,
-    _port_open,
-)
+from private_brokers import PrivateBroker, PrivateRabbitMQ, PrivateRedis, _gone, _poll
 
 from bridge.queue.model import RESULT_SUCCESS
 from bridge.queue.schema import metadata
@@ -47,7 +41,8 @@ from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 
 HERE = Path(__file__).parent
-# First choices; a concurrent fault run (another checkout) holding one moves us up.
+# First choices; a concurrent fault run (another checkout) holding one moves us up: each
+# port is claimed for the session (local_ports.claim_port), so two runs never pick one.
 MARIADB_PORT, REDIS_PORT, RABBITMQ_PORT = 3317, 6389, 5682
 # Settings of every fault bridge: a lost message comes back within a short dispatch
 # lease, and a native retry waits 1 s.
@@ -59,14 +54,6 @@ SETTINGS = {
     "MAX_INFLIGHT": "20",
 }
 FINISH_TIMEOUT = 180.0  # generous: a loaded 2-core machine, a RabbitMQ restart on the way
-
-
-def free_port(first: int, *, offsets: tuple[int, ...] = (0,)) -> int:
-    """The first port from ``first`` free on 127.0.0.1, with ``port + offset`` free too."""
-    for port in range(first, first + 100):
-        if not any(_port_open(port + offset) for offset in offsets):
-            return port
-    raise RuntimeError(f"no free port from {first}")
 
 
 # -- private servers -------------------------------------------------------------------------
@@ -123,7 +110,7 @@ class FaultRabbitMQ(PrivateRabbitMQ):
 
 @pytest.fixture(scope="session")
 def fault_mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateMariaDB]:
-    server = PrivateMariaDB(tmp_path_factory.mktemp("fault-mariadb"), free_port(MARIADB_PORT))
+    server = PrivateMariaDB(tmp_path_factory.mktemp("fault-mariadb"), claim_port(MARIADB_PORT))
     server.start()
     try:
         yield server
@@ -141,7 +128,7 @@ def with_suppressed(action: Callable[..., Any], *args: Any) -> None:
 
 @pytest.fixture(scope="session")
 def fault_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultRedis]:
-    server = FaultRedis(tmp_path_factory.mktemp("fault-redis"), port=free_port(REDIS_PORT))
+    server = FaultRedis(tmp_path_factory.mktemp("fault-redis"), port=claim_port(REDIS_PORT))
     server.start()
     try:
         yield server
@@ -151,7 +138,7 @@ def fault_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultRedis
 
 @pytest.fixture(scope="session")
 def fault_rabbitmq(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultRabbitMQ]:
-    port = free_port(RABBITMQ_PORT, offsets=(0, 20000))  # and its distribution port
+    port = claim_port(RABBITMQ_PORT, offsets=(0, 20000))  # and its distribution port
     server = FaultRabbitMQ(tmp_path_factory.mktemp("fault-rabbitmq"), port=port)
     server.start()
     try:

@@ -5,7 +5,7 @@ A round queues a batch, restarts the suite's private broker (never a shared one)
 The same two workers must survive every round, and their liveness files (what
 ``phorge-bridge health`` reads for a supervisor) must be fresh again after it.
 ``--long-faults`` runs the evidence behind the pinned Celery (issue 11): 10 rounds of
-2,000 tasks per broker; by default 2 rounds of 200 tasks of 0.1 s.
+2,000 tasks per broker; by default one round of 200 tasks of 0.1 s.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from bridge_harness import CLI_INTERVAL
 
 from bridge.queue.schema import worker_archivetask as archive
 
@@ -26,7 +27,7 @@ LIVENESS_MAX_AGE = 20
 def rounds_tasks_duration(config: pytest.Config) -> tuple[int, int, float]:
     """The evidence runs instant tasks; the short run slows them so that a round is still
     under way when a RabbitMQ node has taken its seconds to stop."""
-    return (10, 2000, 0.0) if config.getoption("--long-faults") else (2, 200, 0.1)
+    return (10, 2000, 0.0) if config.getoption("--long-faults") else (1, 200, 0.1)
 
 
 def healthy(liveness_file: Path) -> bool:
@@ -78,4 +79,6 @@ def test_workers_survive_broker_restarts(
         )
         run.check()  # fails naming any worker that exited
         for name, path in liveness.items():
-            bridge.wait_until(lambda p=path: healthy(p), 60, f"{name}'s liveness file")
+            bridge.wait_until(
+                lambda p=path: healthy(p), 60, f"{name}'s liveness file", interval=CLI_INTERVAL
+            )

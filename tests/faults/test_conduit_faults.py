@@ -12,7 +12,6 @@ within seconds of Phorge coming back.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from conduit_fakes import (
     conduit_result,
     execute_answer,
 )
+from local_ports import free_port
 
 from bridge.queue.model import RESULT_SUCCESS
 
@@ -79,12 +79,6 @@ class FakePhorge:
         return reply
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def metric(port: int, name: str) -> float | None:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         for line in response.read().decode().splitlines():
@@ -109,49 +103,81 @@ def doctor_breaker(bridge) -> str:
 
 @dataclass
 class Deployment:
-    """One bridge and one fake Phorge for the module; each test breaks Phorge once."""
+    """One bridge for the module, its Conduit URL on a port claimed for the module, and
+    the fake Phorge of the case running (every server on the port answers as that one)."""
 
     bridge: Any
-    phorge: FakePhorge
-    server: FakeServer
+    conduit_port: int
     metrics_port: int
+    phorge: FakePhorge = field(default_factory=FakePhorge)
 
     def metric(self) -> float | None:
         return metric(self.metrics_port, "phorge_bridge_conduit_breaker_open")
+
+    def respond(self, request: Request) -> Reply | None:
+        return self.phorge.respond(request)
+
+
+@dataclass
+class Phorge:
+    """A case's own fake Phorge server on the deployment's Conduit port."""
+
+    deployment: Deployment
+    server: FakeServer | None = None
+
+    def up(self) -> None:
+        port = self.deployment.conduit_port
+        self.server = FakeServer(self.deployment.respond, port=port).__enter__()
+
+    def down(self) -> None:
+        """Close the port (it stays claimed: nothing else takes it meanwhile)."""
+        if self.server is not None:
+            self.server.__exit__()
+            self.server = None
 
 
 @pytest.fixture(scope="module")
 def deployment(
     module_fault_database, fault_redis, make_module_fault_bridge, tmp_path_factory
 ) -> Iterator[Deployment]:
-    phorge = FakePhorge()
-    server = FakeServer(phorge.respond).__enter__()
+    conduit_port, metrics_port = free_port(), free_port()
     multiproc = tmp_path_factory.mktemp("prometheus")
-    metrics_port = free_port()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PROMETHEUS_MULTIPROC_DIR", str(multiproc))
         bridge = make_module_fault_bridge(
             module_fault_database,
             fault_redis.url,
-            CONDUIT_URL=server.url,
+            CONDUIT_URL=f"http://127.0.0.1:{conduit_port}",
             CONDUIT_TOKEN=TOKEN,
             CONDUIT_READ_TIMEOUT="10",
             METRICS_PORT=str(metrics_port),
             MAX_INFLIGHT="4",  # a slow Phorge must not leave dispatched tasks past their lease
         )
         bridge.serve()
-    deployment = Deployment(bridge, phorge, server, metrics_port)
     try:
-        yield deployment
+        yield Deployment(bridge, conduit_port, metrics_port)
     finally:
-        bridge.stop()  # before the fake Phorge goes away
-        deployment.server.__exit__()
+        bridge.stop()
+
+
+@pytest.fixture
+def phorge(deployment: Deployment) -> Iterator[Phorge]:
+    """Each case's own fake Phorge, new and up: a case that fails with Phorge down or
+    broken leaves the next one a working Phorge. Connections a previous case's server
+    kept alive are answered by this case's fake too, as one Phorge behind a port would."""
+    deployment.phorge = FakePhorge()
+    phorge = Phorge(deployment)
+    phorge.up()
+    try:
+        yield phorge
+    finally:
+        phorge.down()
 
 
 @pytest.mark.parametrize("fault", ["down", "html502", "html200", "slow", "cut", "revoked"])
-def test_conduit_fault(fault, deployment, fault_run, request):
+def test_conduit_fault(fault, deployment, phorge, fault_run, request):
     outage = 30.0 if request.config.getoption("--long-faults") else 6.0
-    bridge, phorge = deployment.bridge, deployment.phorge
+    bridge, fake = deployment.bridge, deployment.phorge
     logged_before = {process.name: len(process.log()) for process in bridge.processes}
     run = fault_run(bridge)
     proxied = bridge.enqueue("ProxiedWorker", {}, count=20)
@@ -159,10 +185,9 @@ def test_conduit_fault(fault, deployment, fault_run, request):
     run.start()
     run.wait_fraction(0.2)
     started = time.monotonic()
-    phorge.mode = fault
+    fake.mode = fault
     if fault == "down":
-        port = deployment.server.httpd.server_address[1]
-        deployment.server.__exit__()
+        phorge.down()
     natives = run.queue(4, duration=0)
     bridge.wait_archived(natives, timeout=60)  # native work goes on meanwhile
 
@@ -176,14 +201,14 @@ def test_conduit_fault(fault, deployment, fault_run, request):
     if fault != "slow":
         assert doctor_breaker(bridge) == "fail"
     if fault == "down":
-        deployment.server = FakeServer(phorge.respond, port=port).__enter__()
-    phorge.mode = "up"
+        phorge.up()
+    fake.mode = "up"
     run.over()
     run.check(recover_within=None if fault == "slow" else min(outage, 60) + 15)
     rows = bridge.archived(proxied)
     assert {r.failureCount for r in rows.values()} == {0}, "an outage counted as a failure"
     for task_id in proxied:  # PHP ran each once, again only after a cut-off answer
-        assert 1 <= phorge.executed[task_id] <= 1 + phorge.cut[task_id], task_id
+        assert 1 <= fake.executed[task_id] <= 1 + fake.cut[task_id], task_id
     logs = new_logs()
     assert logs.count(UNAVAILABLE) <= 3 * 2, "logged per task, not per state change"
     assert TOKEN not in logs

@@ -15,21 +15,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import requests
+from bridge_harness import CLI_INTERVAL
+from local_ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 MAX_AGE = 12  # seconds of silence before health fails: more than two heartbeats
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def cli(bridge, *args: str) -> subprocess.CompletedProcess:
@@ -79,7 +74,9 @@ def test_a_frozen_worker_is_reported_everywhere_and_replaced(
     assert health().returncode == 0, "a consuming worker must be healthy"
     os.kill(worker.pid, signal.SIGSTOP)  # connected, consuming nothing
     try:
-        bridge.wait_until(lambda: health().returncode == 1, 60, "health to fail")
+        bridge.wait_until(
+            lambda: health().returncode == 1, 60, "health to fail", interval=CLI_INTERVAL
+        )
         assert "not consuming" in health().stderr
 
         def doctor_fails() -> dict | None:
@@ -87,7 +84,9 @@ def test_a_frozen_worker_is_reported_everywhere_and_replaced(
             [check] = [c for c in checks if c["name"] == "queue consumers"]
             return check if check["status"] == "fail" else None
 
-        check = bridge.wait_until(doctor_fails, 60, "doctor to report the queue")
+        check = bridge.wait_until(
+            doctor_fails, 60, "doctor to report the queue", interval=CLI_INTERVAL
+        )
         assert f"{queue}: " in check["detail"] and "NO LIVE WORKER" in check["detail"]
         stats = json.loads(cli(bridge, "stats", "--json").stdout)
         [status] = [q for q in stats["queues"] if q["queue"] == queue]
@@ -105,7 +104,9 @@ def test_a_frozen_worker_is_reported_everywhere_and_replaced(
     bridge.wait_ready(replacement)
     run.over()
     run.check()
-    bridge.wait_until(lambda: health().returncode == 0, 60, "the replacement to be healthy")
+    bridge.wait_until(
+        lambda: health().returncode == 0, 60, "the replacement to be healthy", interval=CLI_INTERVAL
+    )
     bridge.wait_until(lambda: "is consumed again" in poller.log(), 60, "the poller's all-clear")
     assert poller.log().count(f"queue {queue} has") == 1, "logged once per change"
     bridge.wait_until(lambda: without_consumer(url).get(queue) == 0, 60, "the gauge to clear")
@@ -120,9 +121,13 @@ def test_a_worker_whose_task_consumer_is_gone_fails_its_health_check(
     worker = bridge.worker("worker", [bridge.default_queue], extra=("--liveness-file", str(alive)))
     bridge.wait_ready(worker)
     health = ("health", "--liveness-file", str(alive), "--max-age", str(MAX_AGE))
-    bridge.wait_until(lambda: cli(bridge, *health).returncode == 0, 60, "a healthy worker")
+    bridge.wait_until(
+        lambda: cli(bridge, *health).returncode == 0, 60, "a healthy worker", interval=CLI_INTERVAL
+    )
     control = [sys.executable, "-m", "celery", "-A", "bridge", "control", "cancel_consumer",
                bridge.default_queue, "-d", bridge.node("worker")]  # fmt: skip
     subprocess.run(control, env=bridge.environ("cli"), check=True, capture_output=True)
-    bridge.wait_until(lambda: cli(bridge, *health).returncode == 1, 60, "health to fail")
+    bridge.wait_until(
+        lambda: cli(bridge, *health).returncode == 1, 60, "health to fail", interval=CLI_INTERVAL
+    )
     assert worker.running()

@@ -3,10 +3,10 @@ and ``celery beat`` processes (the acceptance suite's fixtures and the fault sui
 
 A :class:`Bridge` is one deployment under test: a MariaDB database holding Phorge's
 tables, a real broker, ``BRIDGE_*`` settings with queue names unique to the test (so
-concurrent runs on the same RabbitMQ or Redis never share a queue; Redis also gets a
-database number of its own), and the processes it started. Every process runs in its
-own process group, and the group is SIGKILLed at teardown whatever the test did; the
-test's queues are deleted from the broker afterwards.
+concurrent runs on the same RabbitMQ or Redis never share a queue; on Redis it also
+claims a database of its own, ``redis_databases``), and the processes it started. Every
+process runs in its own process group, and the group is SIGKILLed at teardown whatever
+the test did; the test's queues are deleted from the broker afterwards.
 
 Workers also load ``tests/acceptance/recording_handlers.py`` through a throwaway
 distribution whose entry points register it, as a third-party package would ship handlers.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
@@ -31,6 +30,7 @@ from typing import Any, TypeVar
 
 import pytest
 from kombu import Connection
+from redis_databases import REDIS_DATABASES
 from sqlalchemy import Engine, func, select
 
 from bridge.queue import PhorgeQueue, make_engine
@@ -69,6 +69,11 @@ def write_plugin(
 def clean_environ() -> dict[str, str]:
     """This process's environment without any BRIDGE_ setting (test addresses stay)."""
     return {name: value for name, value in os.environ.items() if not name.startswith("BRIDGE_")}
+
+
+# Seconds between polls that each start a ``phorge-bridge`` process (a Python that
+# imports the bridge): polled ten times a second they starve the workers under test.
+CLI_INTERVAL = 1.0
 
 
 def wait_until(
@@ -156,9 +161,13 @@ class Bridge:
         directory.mkdir(parents=True, exist_ok=True)
         self.suffix = secrets.token_hex(4)
         self.database_url = database_url
+        self.redis_database: tuple[str, int] | None = None
         if broker_url.startswith("redis"):
-            # A database number of its own keeps Redis' fanout (events, pidbox) apart too.
-            broker_url = f"{broker_url.rstrip('/')}/{random.randint(1, 15)}"
+            # A database of its own, claimed until stop(), keeps Redis' fanout (events,
+            # pidbox) apart too.
+            server = broker_url.rstrip("/")
+            self.redis_database = (server, REDIS_DATABASES.claim(server))
+            broker_url = f"{server}/{self.redis_database[1]}"
         self.broker_url = broker_url
         self.record_file = directory / "runs.jsonl"
         self.plugin_dir = write_plugin(directory / "plugin")
@@ -297,8 +306,12 @@ class Bridge:
         parts += [f"--- {p.name} (pid {p.pid}) ---\n{p.tail()}" for p in self.processes]
         return "\n".join(parts)
 
-    def wait_until(self, condition: Callable[[], T], timeout: float, what: str) -> T:
-        return wait_until(condition, timeout, what, diagnose=self.diagnose)
+    def wait_until(
+        self, condition: Callable[[], T], timeout: float, what: str, *, interval: float = 0.1
+    ) -> T:
+        """:func:`wait_until` with this deployment's diagnosis; a condition that starts a
+        CLI process polls with ``interval=CLI_INTERVAL``."""
+        return wait_until(condition, timeout, what, interval=interval, diagnose=self.diagnose)
 
     def stop(self) -> None:
         """Kill every process group, delete the test's queues, close the database pool."""
@@ -308,6 +321,8 @@ class Bridge:
         for process in self.processes:
             process.kill()
         self.delete_broker_queues()
+        if self.redis_database is not None:
+            REDIS_DATABASES.release(*self.redis_database)
         self.queue.engine.dispose()
 
     def delete_broker_queues(self) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
-import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ RULES = COMPOSE / "prometheus" / "rules.yml"
 RULE_TESTS = COMPOSE / "prometheus" / "rules.test.yml"
 DASHBOARD = COMPOSE / "grafana" / "dashboards" / "phorge-bridge.json"
 SCRAPE_EVERY = "2s"  # the consumers gauge asks the workers, 1 s, once in 15 s
+LISTENING = re.compile(rb'msg="Listening on" address=(127\.0\.0\.1:\d+)')
+START_TIMEOUT = 60.0
 
 
 def prometheus_binary(name: str) -> str:
@@ -42,14 +45,9 @@ def panel_queries() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", ())]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class Prometheus:
-    """A ``prometheus`` server of the test's own, on a free port, its data in tmp."""
+    """A ``prometheus`` server of the test's own, its data in tmp. It binds port 0 and
+    :attr:`url` reads the port it got from its log (no port to pick, so no race)."""
 
     def __init__(self, directory: Path, targets: list[str]) -> None:
         config = {
@@ -60,7 +58,7 @@ class Prometheus:
             ],
         }
         (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self._url: str | None = None
         self.log = directory / "prometheus.log"
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
@@ -68,12 +66,30 @@ class Prometheus:
                     prometheus_binary("prometheus"),
                     f"--config.file={directory / 'prometheus.yml'}",
                     f"--storage.tsdb.path={directory / 'data'}",
-                    f"--web.listen-address={self.url.removeprefix('http://')}",
+                    "--web.listen-address=127.0.0.1:0",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def _listening(self) -> str | None:
+        """``http://127.0.0.1:PORT`` once its log says where it listens, else None."""
+        if self._url is None:
+            found = LISTENING.search(self.log.read_bytes())
+            if found is not None:
+                self._url = f"http://{found[1].decode()}"
+        return self._url
+
+    @property
+    def url(self) -> str:
+        deadline = time.monotonic() + START_TIMEOUT
+        while (url := self._listening()) is None:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"Prometheus is not listening; its log ends:\n{tail}")
+            time.sleep(0.1)
+        return url
 
     def api(self, path: str, **params: str) -> Any:
         reply = requests.get(f"{self.url}/api/v1/{path}", params=params, timeout=5).json()
@@ -86,8 +102,11 @@ class Prometheus:
         return [r for r in result if not math.isnan(float(r["value"][1]))]
 
     def ready(self) -> bool:
+        url = self._listening()
+        if url is None:
+            return False
         try:
-            return requests.get(f"{self.url}/-/ready", timeout=1).status_code == 200
+            return requests.get(f"{url}/-/ready", timeout=1).status_code == 200
         except requests.ConnectionError:
             return False
 

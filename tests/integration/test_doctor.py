@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
+from local_ports import closed_port
 
 from bridge.cli.doctor import CHECKS
 from bridge.cli.main import main
@@ -22,12 +22,6 @@ from bridge.queue.beat_lock import BeatLock
 from bridge.queue.schema import metadata
 
 WHOAMI_ADMIN = {"userName": "bridge-bot", "roles": ["verified", "approved", "activated", "admin"]}
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture

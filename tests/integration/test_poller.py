@@ -411,10 +411,12 @@ def test_short_tasks_fill_up_to_the_inflight_limit(make_runtime, sent):
 
 
 def test_slow_tasks_lease_what_the_busy_slots_start_before_the_next_poll(make_runtime, sent):
-    # Runs of 1 s, 2 a second over the pace's window: 2 busy slots, so 1.25 x 2 + 2 x
-    # 0.25 = 3 leases, a message each (one message may carry at most 0.25 s of work).
+    # Runs of 1.3 s, 2 a second over the pace's window: 2.6 busy slots, so floor(1.25 x
+    # 2.6 + 2 x 0.25) = 3 leases, a message each (one message may carry at most 0.25 s of
+    # work). Still 3 if the poll reads the history up to 2 s late (a loaded machine): the
+    # span grows to 12 s, 1.67 a second, floor(1.25 x 2.17 + 1.67 x 0.25) = 3.
     rt = make_runtime(DISPATCH_AHEAD="0.25")
-    archive_runs(rt, SLOW, count=2 * pace.WINDOW, seconds=1.0, over=pace.WINDOW)
+    archive_runs(rt, SLOW, count=2 * pace.WINDOW, seconds=1.3, over=pace.WINDOW)
     ids = enqueue(rt, SLOW, count=50)
     assert poll_once(rt) == 3
     assert [m.task_id for m in sent] == ids[:3]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from pathlib import Path
 
 import pytest
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
+from local_ports import closed_port
 
 from bridge.config import ConduitSettings, ConfigError, load_settings
 from bridge.errors import (
@@ -183,10 +183,7 @@ def test_slow_response_times_out() -> None:
 
 
 def test_connection_refused() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    client = ConduitClient(f"http://127.0.0.1:{port}", TOKEN, connect_timeout=1)
+    client = ConduitClient(f"http://127.0.0.1:{closed_port()}", TOKEN, connect_timeout=1)
     with pytest.raises(ConduitTransportError) as info:
         client.call("worker.execute", {})
     assert "unreachable" in str(info.value)
