@@ -2,20 +2,21 @@
 ``tests/acceptance/test_canary.py``; the PHP runner (``tests/php_standin``) is the old side.
 
 Published the way ``recording_handlers.py`` is (an entry point of a throwaway
-distribution, see ``bridge_harness.write_plugin``). Each run appends a JSON line to
+distribution, see ``bridge_harness.write_plugin``), with a copy of
+``tests/helpers/canary.py`` beside it. Each run appends a JSON line to
 ``$PHORGE_BRIDGE_TEST_RECORD_FILE`` (which task, which worker, when: ``run_record``).
 It fails on purpose, temporarily, the tasks of the classes in ``$CANARY_FAIL_CLASSES``
-whose id falls in ``$CANARY_FAIL_PERCENT`` percent (a hash of the id, independent of the
-canary's), and only while the file ``$CANARY_FAIL_FLAG`` exists when that is set: a
-handler that turns bad mid-run.
+whose id falls in ``$CANARY_FAIL_PERCENT`` percent (``canary.fails_on_purpose``: a hash
+of the id, independent of the canary's, so that a test knows which), and only while the
+file ``$CANARY_FAIL_FLAG`` exists when that is set: a handler that turns bad mid-run.
 """
 
 from __future__ import annotations
 
 import os
-import zlib
 
 import run_record
+from canary import fails_on_purpose
 
 from bridge.handlers.api import Handler, TaskContext, TemporaryFailure
 
@@ -25,7 +26,7 @@ CLASSES = ("StandinSucceedWorker", "StandinCacheWorker")
 def failing(task: TaskContext) -> bool:
     classes = os.environ.get("CANARY_FAIL_CLASSES", "").split(",")
     percent = int(os.environ.get("CANARY_FAIL_PERCENT", "0"))
-    if task.task_class not in classes or zlib.crc32(f"fail:{task.id}".encode()) % 100 >= percent:
+    if task.task_class not in classes or not fails_on_purpose(task.id, percent):
         return False
     flag = os.environ.get("CANARY_FAIL_FLAG")
     return flag is None or os.path.exists(flag)

@@ -3,10 +3,11 @@ RabbitMQ and MariaDB, a native handler (``canary_handlers.py``) as the new side 
 PHP runner on the stand-in Phorge as the old side, the weights in the test database's
 ``config_entry`` (where ``bin/config set --database`` would put them).
 
-(a) A healthy class at 20% runs about a fifth natively, exactly the ids the hash names,
+(a) A healthy class at 20% runs natively exactly the ids the hash names (68 of 300),
     each task archived once, a success, labelled with who ran it.
-(b) A handler failing 30% of its runs at 20% is rolled back by the guard before 50 of its
-    runs fail; two workers and two beats honour it within seconds, every failed run is
+(b) A handler failing 30% of its runs at 20%, fed a steady stream, is rolled back by the
+    guard within its first 8 failures, where the stream would have failed 52 without a
+    guard; two workers and two beats honour it within seconds, every failed run is
     retried on PHP and archived a success, and the rollback survives a restart.
 (c) A ramp reaches 100% while its handler is healthy, and drops to 0% when it turns bad
     mid-ramp.
@@ -19,15 +20,17 @@ Every wait is on a condition; none starts before the workers are ready.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import canary
 import requests
-from bridge_harness import Bridge, write_plugin
-from canary import new_side, read, rolled_back, set_weights
+from bridge_harness import Bridge, wait_until, write_plugin
+from canary import fails_on_purpose, new_side, read, rolled_back, set_weights
 from php_standin import STANDIN_ROOT, php_binary
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,11 +42,22 @@ from bridge.queue.schema import worker_activetask as active
 CLASS = "StandinSucceedWorker"  # a PHP class of the stand-in, with a native handler too
 HEALTHY = "StandinCacheWorker"  # (c): a second one, whose handler stays healthy
 HANDLERS = Path(__file__).with_name("canary_handlers.py")
+HANDLER_HELPERS = (Path(canary.__file__),)  # the handler's fails_on_purpose
 WAIT = 90.0
 # A rollback reaches every process within BRIDGE_CANARY_REFRESH (0.25 s here); the
 # trip's time is whole seconds of the database clock: the bound a native run may start
 # after it (the issue's target is 5 s).
 HONOURED_WITHIN = 3
+# (b): the failing handler fails FAIL_PERCENT of its tasks (canary.fails_on_purpose). Its
+# tasks come FEED at a time every FEED_EVERY s (50 a second, about 10 of them native, 3
+# of those failing) until the rollback, at most FEED_CAP of them: the native side would
+# fail 52 of those without a guard. The guard judges from 10 runs and 3 failures, every
+# 0.5 s here; it must trip within TRIPPED_WITHIN failures, and FELL_BACK_AT_MOST may fall
+# back (the trip's and those the workers ran before they heard of it).
+FAIL_PERCENT = 30
+FEED, FEED_EVERY, FEED_CAP = 10, 0.2, 1000
+TRIPPED_WITHIN, FELL_BACK_AT_MOST = 8, 12
+TRIP = re.compile(r"new side success ([\d.]+)% over (\d+) runs")
 
 
 def deployment(make_bridge: Any, database_url: str, broker_url: str) -> Bridge:
@@ -60,6 +74,7 @@ def deployment(make_bridge: Any, database_url: str, broker_url: str) -> Bridge:
         bridge.directory / "canary-plugin",
         HANDLERS,
         "CanaryNative = canary_handlers:CanaryNative",
+        extra=HANDLER_HELPERS,
     )
     return bridge
 
@@ -108,14 +123,16 @@ def test_a_class_at_20_percent_native_runs_a_fifth_natively_each_task_once(
     bridge.beat()
     bridge.wait_ready(worker)
 
-    ids = bridge.enqueue(CLASS, {}, count=1000)
+    ids = bridge.enqueue(CLASS, {}, count=300)
     rows = assert_all_succeeded(bridge, ids)
     ran_by = labels(rows)
     natively = {task_id for task_id, label in ran_by.items() if label == "native"}
-    # Binomial(1000, 0.2): sd 12.6, so 150-250 is four of them either side.
-    assert 150 <= len(natively) <= 250
-    assert natively == new_side(NATIVE, 20, ids), "the hash names the side, exactly"
-    assert Counter(ran_by.values()) == {"native": len(natively), "runner": 1000 - len(natively)}
+    # The ids are 1-300 every run, so the hash names the same 68 each time: the share is
+    # exactly that set, not a count near a fifth.
+    named = new_side(NATIVE, 20, ids)
+    assert named and len(named) < len(ids), "both sides have tasks to run"
+    assert natively == named, "the hash names the side, exactly"
+    assert Counter(ran_by.values()) == {"native": len(natively), "runner": 300 - len(natively)}
     assert Counter(r["id"] for r in native_runs(bridge)) == Counter(natively), "each ran once"
     log = worker.log()
     some_native, some_php = min(natively), min(set(ids) - natively)
@@ -125,7 +142,7 @@ def test_a_class_at_20_percent_native_runs_a_fifth_natively_each_task_once(
     # Both sides side by side, as the guard and `phorge-bridge canary report` read them.
     window = read_window(bridge.engine, CLASS, NATIVE, 300, 5000)
     assert (window.new.runs, window.new.successes) == (len(natively), len(natively))
-    assert (window.old.runs, window.old.successes) == (1000 - len(natively),) * 2
+    assert (window.old.runs, window.old.successes) == (300 - len(natively),) * 2
     assert not rolled_back(bridge.engine, CLASS, NATIVE)
 
 
@@ -136,7 +153,7 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     bridge = deployment(make_bridge, database_url, amqp_url)
     set_weights(bridge.engine, {CLASS: {"native": 20}})
     queues = [bridge.default_queue, bridge.control_queue]
-    failing = {"CANARY_FAIL_CLASSES": CLASS, "CANARY_FAIL_PERCENT": "30"}
+    failing = {"CANARY_FAIL_CLASSES": CLASS, "CANARY_FAIL_PERCENT": str(FAIL_PERCENT)}
     ports = [free_port(), free_port()]
     workers = [
         bridge.worker(
@@ -148,13 +165,31 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     bridge.beat("beat-2")
     bridge.wait_ready(*workers)
 
-    first = bridge.enqueue(CLASS, {}, count=400)
-    bridge.wait_until(lambda: rolled_back(bridge.engine, CLASS, NATIVE), WAIT, "the rollback")
+    # A steady stream, so that the guard's pace, not the workers', decides how many fail.
+    first: list[int] = []
+
+    def fed_until_rolled_back() -> bool:
+        if rolled_back(bridge.engine, CLASS, NATIVE):
+            return True
+        if len(first) < FEED_CAP:
+            first.extend(bridge.enqueue(CLASS, {}, count=FEED))
+        return False
+
+    wait_until(
+        fed_until_rolled_back, WAIT, "the rollback", interval=FEED_EVERY, diagnose=bridge.diagnose
+    )
     tripped_at = read(bridge.engine).state.of(CLASS, NATIVE).rolled_back_at
     assert tripped_at is not None
     [tripped] = [line for line in bridge.logs().splitlines() if "canary rollback:" in line]
     assert f"canary rollback: {CLASS} (native): new side success" in tripped
     assert "old side 100.0%" in tripped and "window 300 s" in tripped
+    # What the guard counted when it tripped, against what the stream would have failed.
+    stream = range(first[0], first[0] + FEED_CAP)
+    would_fail = {i for i in new_side(NATIVE, 20, stream) if fails_on_purpose(i, FAIL_PERCENT)}
+    assert len(would_fail) >= 4 * TRIPPED_WITHIN, "the bound is well below the stream's"
+    [(ratio, runs)] = TRIP.findall(tripped)
+    failed = round(int(runs) * (100 - float(ratio)) / 100)
+    assert 3 <= failed <= TRIPPED_WITHIN, f"tripped after {failed} of {len(would_fail)} failures"
 
     # Every worker honours it: each one runs, on PHP, tasks the hash gives the native side.
     natively = new_side(NATIVE, 20, range(1, 10_000))
@@ -171,8 +206,15 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     bridge.wait_until(each_worker_ran_the_native_share_on_php, WAIT, "both workers to run PHP")
     ran_by = labels(assert_all_succeeded(bridge, first + later))
     fell_back = {i for i, label in ran_by.items() if label == "runner-fallback"}
-    assert 3 <= len(fell_back) < 50, "the guard trips before 50 native failures"
     assert fell_back <= natively, "only the native side falls back"
+    assert all(fails_on_purpose(i, FAIL_PERCENT) for i in fell_back), "and only its failures"
+    assert failed <= len(fell_back) <= FELL_BACK_AT_MOST, (
+        f"{len(fell_back)} fell back: the workers honoured the rollback late"
+    )
+    print(
+        f"\n[canary] tripped after {failed} failure(s) in {runs} native runs "
+        f"({len(would_fail)} without a guard); {len(fell_back)} fell back"
+    )
     started = [r["time"] for r in native_runs(bridge)]
     assert max(started) <= tripped_at + HONOURED_WITHIN, "a native run after the rollback"
     warned = [line for line in bridge.logs().splitlines() if "WARNING" in line]
@@ -214,7 +256,8 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     restarted = [bridge.worker(f"worker-{n}b", queues, concurrency=2, env=failing) for n in (1, 2)]
     bridge.wait_ready(*restarted)
     before = len(native_runs(bridge))
-    again = bridge.enqueue(CLASS, {}, count=200)
+    again = bridge.enqueue(CLASS, {}, count=100)
+    assert new_side(NATIVE, 20, again), "some of them are the native side's"
     assert set(labels(assert_all_succeeded(bridge, again)).values()) == {"runner"}
     assert len(native_runs(bridge)) == before
     assert rolled_back(bridge.engine, CLASS, NATIVE)
@@ -291,7 +334,10 @@ def test_a_native_weight_the_worker_cannot_honour_stops_it_at_start(
     have nowhere to run, so the worker refuses to start, naming the option and the class."""
     bridge = make_bridge(database_url, amqp_url)
     bridge.plugin_dir = write_plugin(
-        bridge.directory / "canary-plugin", HANDLERS, "CanaryNative = canary_handlers:CanaryNative"
+        bridge.directory / "canary-plugin",
+        HANDLERS,
+        "CanaryNative = canary_handlers:CanaryNative",
+        extra=HANDLER_HELPERS,
     )
     set_weights(bridge.engine, {CLASS: {"native": 20}})
     worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])

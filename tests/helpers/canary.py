@@ -1,11 +1,14 @@
 """The gray migration's weights and state as the tests set and read them: the two rows of
 ``config_entry`` in the queue's own database (SQLite, and the tests' ``bridge_t_<hex>``
 MariaDB databases, where ``BRIDGE_CANARY_DATABASE`` is not needed), written with the
-bridge's own store, and which task ids each side takes.
+bridge's own store, which task ids each side takes, and which of them
+``tests/acceptance/canary_handlers.py`` fails on purpose (that handler's plugin carries a
+copy of this module).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,3 +52,9 @@ def new_side(level: str, percent: float, ids: Iterable[int]) -> set[int]:
     ``percent``."""
     weight = round(percent * SCALE / 100)
     return {task_id for task_id in ids if bucket(level, task_id) < weight}
+
+
+def fails_on_purpose(task_id: int, percent: int) -> bool:
+    """Whether the test handler set to fail ``percent`` percent of its tasks fails this
+    one: a hash of the id, independent of the canary's."""
+    return zlib.crc32(f"fail:{task_id}".encode()) % 100 < percent
