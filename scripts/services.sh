@@ -62,12 +62,16 @@ install() {
     done
     # mysqlclient builds from source against libmariadb-dev.
     pkg-config --exists libmariadb 2>/dev/null || missing=1
+    # The real-Phorge tier runs Phorge's PHP: its MySQL, cURL and mbstring extensions.
+    for module in mysqli curl mbstring; do
+        php -m 2>/dev/null | grep -qx "$module" || missing=1
+    done
     ((missing)) || return 0
     say "installing system packages"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq mariadb-server rabbitmq-server redis-server \
-        pkg-config libmariadb-dev php-cli >/dev/null
+        pkg-config libmariadb-dev php-cli php-mysql php-curl php-mbstring >/dev/null
     # promtool checks the shipped alert rules; an acceptance test starts a server of
     # its own. The node exporter it recommends is not needed.
     apt-get install -y -qq --no-install-recommends prometheus >/dev/null

@@ -82,7 +82,7 @@ final class PhorgeBridgeCanaryConfigOptions
             "phorge-bridge's docs/operations.md, \"Gray migration\"."))
         ->addExample(
           id(new PhutilJSON())->encodeFormatted($example),
-          pht('Mail to 5% of the bridge, search wholly, the rest on phd')),
+          pht('Mail to 5%% of the bridge, search wholly, the rest on phd')),
       $this->newOption(PhorgeBridgeCanary::STATE_OPTION, 'wild', array())
         ->setSummary(
           pht("phorge-bridge's canary state (rollbacks, ramp steps)."))

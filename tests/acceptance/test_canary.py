@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import canary
 import requests
 from bridge_harness import Bridge, wait_until, write_plugin
 from canary import fails_on_purpose, new_side, read, rolled_back, set_weights
+from local_ports import free_port
 from php_standin import STANDIN_ROOT, php_binary
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -85,12 +85,6 @@ def labels(rows: dict[int, Any]) -> dict[int, str | None]:
 
 def native_runs(bridge: Bridge, task_class: str = CLASS) -> list[dict[str, Any]]:
     return [r for r in bridge.runs() if r["taskClass"] == task_class]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def scraped(ports: list[int], name: str, **labels: str) -> float:

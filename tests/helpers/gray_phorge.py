@@ -1,4 +1,4 @@
-"""The gray migration on a real Phorge (``tests/integration/test_gray_migration_phorge.py``):
+"""The gray migration on a real Phorge (``tests/phorge/test_gray_migration_phorge.py``):
 the install at PHORGE_ROOT, its Maniphest work, the shipped ``PhorgeBridgeQueueDaemon``
 under ``bin/phd debug`` and a bridge deployment (``bridge_harness.Bridge``: real
 ``celery worker`` and ``celery beat``) on the install's own worker database.
@@ -279,8 +279,8 @@ class GrayLab(CanaryLab):
         return dict(self.call("stories", phids=phids))
 
     def cancel_leftovers(self) -> None:
-        """Archive as cancelled the chain's rows the module made that are still queued
-        (a test that failed midway), so the next test's bridge and daemon find none."""
+        """Archive as cancelled the chain's rows above ``start`` that are still queued (a
+        test that failed midway, or another module), so no test's daemon finds them."""
         left = [i for i, row in self.tasks(self.start).items() if not row["archived"]]
         if left:
             self.call("cancel", ids=left)
@@ -313,6 +313,9 @@ def gray_lab(work: Path) -> Iterator[GrayLab]:
     lab = GrayLab(phorge, engine, f"{namespace}_config", f"{namespace}_daemon", work, url, env, 0)
     with options_held(lab):
         try:
+            # The chain's rows other modules left queued (lab.start is 0 here) would be
+            # taken by the daemon as this module's.
+            lab.cancel_leftovers()
             before = lab.max_id()
             env.update(lab.call("users"))
             lab.drain_with_phorge(before)  # the accounts' own work, the first time only

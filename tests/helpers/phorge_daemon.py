@@ -1,5 +1,5 @@
 """The shipped ``PhorgeBridgeQueueDaemon`` and the canary options on a real Phorge, as the
-PHORGE_ROOT tests that run it share them (``tests/integration/test_queue_daemon.py`` and
+PHORGE_ROOT tests that run it share them (``tests/phorge/test_queue_daemon.py`` and
 ``tests/helpers/gray_phorge.py``'s gray migration).
 
 The two options (``phorge-bridge.canary`` and ``phorge-bridge.canary-state``) belong to

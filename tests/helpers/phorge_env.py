@@ -72,6 +72,13 @@ def phorge_root() -> Path:
     pytest.fail(problem)
 
 
+def is_upstream_phabricator(root: Path) -> bool:
+    """Whether the checkout is upstream Phabricator rather than Phorge, its fork: the
+    few places the two behave differently are named where a test meets them. Phorge's
+    library has classes of its own name; Phabricator's has none."""
+    return "'Phorge" not in (root / "src" / "__phutil_library_map__.php").read_text()
+
+
 def run(
     command: Sequence[str],
     *,

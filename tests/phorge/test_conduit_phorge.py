@@ -8,7 +8,7 @@ API tokens, and call Phorge at PHORGE_URL, or else at ``phabricator.base-uri`` t
 ``php -S`` server they start when that URI is on this machine. They create a Maniphest
 task to get real queue rows, and cancel the rows they created when done.
 
-    PHORGE_ROOT=/srv/phorge python -m pytest tests/integration/test_conduit_phorge.py
+    PHORGE_ROOT=/srv/phorge python -m pytest tests/phorge/test_conduit_phorge.py
 """
 
 from __future__ import annotations

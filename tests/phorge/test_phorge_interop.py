@@ -29,7 +29,7 @@ from typing import Any
 import outcomes
 import pytest
 import sqlalchemy as sa
-from phorge_env import Phorge, phorge_root, worker_database_url
+from phorge_env import Phorge, is_upstream_phabricator, phorge_root, worker_database_url
 from phorge_php import HELPER, InteropPHP, php_value
 
 from bridge.queue import OperatorActions, PhorgeQueue, make_engine
@@ -761,6 +761,7 @@ def labels(output: str) -> dict[int, str]:
 # two outcomes must match: same verdict (bin/worker's label), same row afterwards.
 UNTIL = 2_000_000_000
 STATES = ("queued", "leased", "yielded", "expired", "failed", "succeeded")
+LEASED = {"leased", "yielded", "expired"}  # the states with a lease owner
 
 
 def action(state: str, command: list[str], act: Callable, *marks: Any) -> Any:
@@ -893,8 +894,15 @@ def test_operator_actions_match_bin_worker(
     by_php, by_bridge = twins.make(state, "bridge"), twins.make(state, "php")
 
     done = php.phorge.bin("worker", *command, "--id", str(by_php))
-    assert done.returncode == 0, done.stderr
-    php_verdict = labels(done.stderr)[by_php]
+    if command[0] == "delay" and state in LEASED and is_upstream_phabricator(php.phorge.root):
+        # Phabricator's `bin/worker delay` dies on a leased row, writing nothing: its
+        # warning, pht('% is already leased, ...'), is no format PHP 8 takes (Phorge
+        # fixed it). The bridge refuses such a row as Phorge does.
+        assert done.returncode == 255 and 'Unknown format specifier "i"' in done.stderr
+        php_verdict = "LEASED"
+    else:
+        assert done.returncode == 0, done.stderr
+        php_verdict = labels(done.stderr)[by_php]
     (result,) = act(queue, TaskFilter(ids=[by_bridge]))
     bridge_verdict = result.reason.split(":")[0] if result.reason else "done"
     now = db_now(queue)

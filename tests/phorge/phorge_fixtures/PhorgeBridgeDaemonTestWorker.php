@@ -1,7 +1,7 @@
 <?php
 
 /**
- * tests/integration/test_queue_daemon.py's task class: copied into the test
+ * tests/phorge/test_queue_daemon.py's task class: copied into the test
  * Phorge's src/extensions/ for the module's tests and removed afterwards; never
  * shipped. Does nothing, unless its data says {"fail": true}: then a temporary
  * failure, retried an hour later (the test sees the daemon go on past it).
