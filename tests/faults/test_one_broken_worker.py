@@ -18,9 +18,10 @@ machine's load cancels out), each phase timed from its first archived task to it
 The target is 0.8x the healthy worker alone (issue 31 measured 0.01x before the
 stand-by). A pair phase starts with the broken worker's probe (its stand-by ran out while
 it was set aside), so the short phases of the default run see a probe every half second
-or so, several times its real rate: there the pair measures 0.7-0.9x and the bound is
-``SHORT_BOUND``, which the issue's regression, or a hand-back that held its row, fail by
-far. ``--long-faults`` runs phases of seconds, where the target itself is asserted.
+or so, several times its real rate: there the pair's median measures 0.7-1.0x, and the
+bound is ``SHORT_BOUND``, which the issue's regression, or a hand-back that held its row,
+fail by far. ``--long-faults`` runs phases of seconds, where the target itself is
+asserted.
 """
 
 from __future__ import annotations
