@@ -349,7 +349,10 @@ def test_the_helper_reports_the_lease_a_worker_claims_before_the_run(
     rt.queue.enqueue("Policied", {})
     [task] = rt.queue.lease(1, 60)
     assert run_task(rt, task.lease).outcome is Outcome.SUCCESS
-    assert claimed[0] in ((required, required - 1) if required else (60, 59))
+    # Whole seconds left on the database clock, read during the run: a loaded machine may
+    # take a few seconds from the lease to the run (60, the poll's lease, stays far apart).
+    claim = required or 60
+    assert claim - 4 <= claimed[0] <= claim
     assert run(Policied(lease=asked), {}).required_lease == required
     refused = run(Policied(limit=0, lease=asked), {}, failure_count=1)
     assert (refused.outcome, refused.required_lease) == (Outcome.PERMANENT_FAILURE, None)
