@@ -44,6 +44,8 @@ from bridge.queue.session import (
 
 log = logging.getLogger(__name__)
 
+RUNNING_ELSEWHERE = "a live run elsewhere holds this lease; not run again here"
+
 
 @dataclass(frozen=True)
 class StagedOutcome:
@@ -133,7 +135,27 @@ class Batch:
 
     def run(self, items: Sequence[Leased], budget: float | None = None) -> list[Leased]:
         """Run ``items``; once ``budget`` seconds have passed, or once the database refuses
-        writes, the rest is returned unrun (still leased, for the caller to send on)."""
+        writes, the rest is returned unrun (still leased, for the caller to send on).
+
+        Their run locks (``run_locks``) are held meanwhile, so a copy of the message the
+        broker redelivers finds them running; a task whose lock a live run elsewhere
+        holds is not run again here."""
+        leases = [Lease(item.id, self.owner, item.failure_count) for item in items]
+        try:
+            held = self.rt.runs.hold(leases)
+        except DatabaseUnavailable as exc:
+            self.unreported(items, f"database unavailable ({exc}); the lease will expire")
+            return []
+        mine = [item for item, ok in zip(items, held, strict=True) if ok]
+        for item in (item for item, ok in zip(items, held, strict=True) if not ok):
+            with traced(self.trace(item)):
+                self.report(item, RunReport(Outcome.LEASE_LOST, RUNNING_ELSEWHERE))
+        try:
+            return self.run_held(mine, budget)
+        finally:
+            self.rt.runs.release([lease for lease, ok in zip(leases, held, strict=True) if ok])
+
+    def run_held(self, items: Sequence[Leased], budget: float | None) -> list[Leased]:
         started = time.monotonic()
         gate = self.rt.writes
         index = 0

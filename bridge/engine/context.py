@@ -1,5 +1,5 @@
 """A process's runtime: settings, one queue (one connection pool), registry, lease keeper,
-and the gray migration's weights as this process sees them.
+run locks, and the gray migration's weights as this process sees them.
 
 ``bridge.assembly`` builds one lazily and once per process id, so prefork children never
 share the parent's database connections.
@@ -17,6 +17,7 @@ from bridge.engine.lease_keeper import LeaseKeeper
 from bridge.engine.writes import WriteGate
 from bridge.handlers.registry import Registry
 from bridge.queue import PhorgeQueue
+from bridge.queue.run_locks import RunLocks
 
 
 class CanarySource(Protocol):
@@ -43,10 +44,12 @@ class Runtime:
     registry: Registry
     canary: CanarySource = field(default_factory=FixedCanary)
     keeper: LeaseKeeper = field(init=False)
+    runs: RunLocks = field(init=False)
     writes: WriteGate = field(init=False)
 
     def __post_init__(self) -> None:
         self.keeper = LeaseKeeper(self.queue)
+        self.runs = RunLocks(self.queue.engine, self.settings.report_attempts)
         self.writes = WriteGate(self.queue.probe_writes)
 
 

@@ -43,6 +43,12 @@ from bridge.queue.schema import worker_archivetask as archive_table
 from bridge.queue.session import LeaseSession
 
 T = TypeVar("T")
+
+# Seconds after its lease a lease that no live run holds stops counting as in flight: a
+# paced queue's message starts within about a run or two, and a dead worker's messages
+# come back from the broker at once (``bridge.engine.redelivery``), so a lease unrun
+# this long had its message lost (or a worker whose broker still waits on it).
+STRANDED_AFTER = 30
 # One lease phase: (conn, limit, owner, seconds, where) -> rows won.
 _TakePhase = Callable[[Connection, int, str, int, sql.LeaseFilter], int]
 
@@ -317,11 +323,16 @@ class PhorgeQueue:
         self, owner_prefix: str, classes: Sequence[str] | None = None
     ) -> dict[str, InFlight]:
         """Live, running leases per task class of every owner ``owner_prefix:...``, only
-        of ``classes`` when given (cheaper: other classes' rows are never read)."""
+        of ``classes`` when given (cheaper: other classes' rows are never read). On
+        MySQL a lease :data:`STRANDED_AFTER` seconds old that no live run holds
+        (``run_locks``) is not counted: its message was lost or its worker is gone, and
+        it must not hold the queue's pace until it expires."""
         if classes is not None and not classes:
             return {}
+        stranded_after = STRANDED_AFTER if is_mysql(self.engine) else None
         with self.engine.connect() as conn:
-            rows = conn.execute(sql.count_in_flight_by_class(owner_prefix, classes)).all()
+            query = sql.count_in_flight_by_class(owner_prefix, classes, stranded_after)
+            rows = conn.execute(query).all()
         return {task_class: InFlight(count, worst) for task_class, count, worst in rows}
 
     def recent_runs(self, classes: Sequence[str], window: int, limit: int = 500) -> RecentRuns:

@@ -485,14 +485,16 @@ the new side's rows have none, so a hand-back or a free is not taken for it."""
 
 
 def count_in_flight_by_class(
-    owner_prefix: str, classes: Sequence[str] | None = None
+    owner_prefix: str, classes: Sequence[str] | None = None, stranded_after: int | None = None
 ) -> Select[Any]:
     """Live leases per class whose owner is ``owner_prefix:...`` (the poller's capacity):
     how many, and the largest priority number among them.
 
     Rows waiting to retry keep their failed run's owner; they are not in flight.
     ``classes`` restricts the count to them, so rows of other classes (which may be many,
-    e.g. waiting to retry) are never read.
+    e.g. waiting to retry) are never read. ``stranded_after`` (MySQL: named locks) leaves
+    out leases taken that many seconds ago or more that no live run holds
+    (``run_locks``): their message was lost, or its worker is gone.
     """
     escaped = owner_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     where = [
@@ -502,6 +504,13 @@ def count_in_flight_by_class(
     ]
     if classes is not None:
         where.append(active.c.taskClass.in_(list(classes)))
+    if stranded_after is not None:
+        where.append(
+            or_(
+                owner_epoch(active.c.leaseOwner) > db_now() - stranded_after,
+                func.is_used_lock(run_lock_key_of(active.c.leaseOwner, active.c.id)).is_not(None),
+            )
+        )
     return (
         select(active.c.taskClass, func.count(), func.max(active.c.priority))
         .where(*where)
@@ -793,6 +802,28 @@ def get_lock(name: str) -> Select[Any]:
 
 def release_lock(name: str) -> Select[Any]:
     return select(func.release_lock(name))
+
+
+RUN_LOCK_PREFIX = "pb-run:"  # the named locks of leases being run (``run_locks``)
+
+
+def run_lock_key_of(owner: ColumnElement[Any], task_id: ColumnElement[Any]) -> ColumnElement[str]:
+    """``run_locks.run_lock_key`` in SQL, for rows: the two must agree."""
+    lease = func.concat(func.database(), ":", owner, ":", task_id)
+    return func.concat(RUN_LOCK_PREFIX, func.md5(lease))
+
+
+def take_run_locks(keys: Sequence[str], wait: float) -> Select[Any]:
+    """Each named lock of ``keys`` (1 taken, 0 held elsewhere), waiting up to ``wait``
+    seconds for the first only."""
+    return select(*(func.get_lock(key, wait if i == 0 else 0) for i, key in enumerate(keys)))
+
+
+def release_run_locks(keys: Sequence[str]) -> Select[Any]:
+    return select(*(func.release_lock(key) for key in keys))
+
+
+PING = select(literal(1))
 
 
 def lock_held_here(name: str) -> Select[Any]:

@@ -20,10 +20,14 @@ worker_cancel_long_running_tasks_on_connection_loss = False
 task_ignore_result = True
 task_serializer = "json"
 accept_content = ["json"]
-# A message is acked as its task starts, not after: a worker that dies mid-run leaves
-# the task to its lease, which expires and is leased anew (Phorge's own rule), instead
-# of a redelivery that would run it a second time under the same lease. A message
-# reserved but never started is redelivered, and runs under its untouched lease.
+# Polls and the guard are acked as they start. ``bridge.execute`` and
+# ``bridge.execute_batch`` are acked when they end (``acks_late`` and
+# ``reject_on_worker_lost`` on the tasks, ``bridge.runtime.tasks``): a worker that dies
+# mid-run has its message redelivered at once, and the copy hands back each lease whose
+# run lock no live process holds (``bridge.engine.redelivery``), never running it under
+# the same lease. RabbitMQ's ``consumer_timeout`` (30 min by default) must outlast the
+# longest run, or the broker closes the channel of a long one (its copy then finds the
+# run alive and leaves it be).
 task_acks_late = False
 worker_prefetch_multiplier = 1
 # With --autoscale, Celery's scale-down could kill a task just started (issue 29); the

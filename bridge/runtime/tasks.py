@@ -11,6 +11,7 @@ outcome and the messages it sent the rest on in.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,7 @@ from celery.signals import task_postrun, task_prerun
 
 from bridge.assembly import runtime
 from bridge.engine.batch import Batch
+from bridge.engine.redelivery import hand_back_redelivered
 from bridge.engine.run import PHDS_SHARE, RunReport
 from bridge.engine.tracing import (
     TRACEPARENT_HEADER,
@@ -50,6 +52,8 @@ from bridge.runtime.dispatch import (
     search_term,
     send_messages,
 )
+
+log = logging.getLogger(__name__)
 
 POLL_TASK = "bridge.poll"
 GUARD_TASK = "bridge.canary_guard"  # bridge.runtime.canary_guard
@@ -98,6 +102,8 @@ def execute_task(
     capacity is free again, so the poller is asked to fill it now, not at the next beat.
     """
     item = Leased(task_id, failure_count, task_class, data)
+    if redelivered(self.request):
+        return take_back(self.app, owner, [item])
     trace = current_trace() or trace_of(self.request, task_id, owner, task_class)
     batch = Batch(runtime(), owner, trace.traceparent)
     try:
@@ -137,6 +143,20 @@ def yielded(line: str, item: Leased) -> str:
     return f"{line}; runs again in a new message: search {search_term(item)}"
 
 
+def redelivered(request: Any) -> bool:
+    """Whether the broker delivered this message before (``bridge.engine.redelivery``)."""
+    return bool((request.delivery_info or {}).get("redelivered"))
+
+
+def take_back(app: Celery, owner: str, items: Sequence[Leased]) -> str:
+    """A redelivered message's end: its leases whose run is not alive handed back, and a
+    poll asked for, so they run again in a new lease at once."""
+    line = hand_back_redelivered(runtime(), owner, items).describe()
+    log.warning("%s", line)
+    ask_for_poll(app)
+    return line
+
+
 def ask_for_poll(app: Celery) -> None:
     """Send a poll now, as beat sends one (quietly: ``quiet_polls``)."""
     app.tasks[POLL_TASK].apply_async()
@@ -156,6 +176,8 @@ def execute_batch(
     """
     rt = runtime()
     items = [Leased(*task) for task in tasks]
+    if redelivered(self.request):
+        return take_back(self.app, owner, items)
     traceparent = traceparent_or_new(self.request.get(TRACEPARENT_HEADER))
     batch = Batch(rt, owner, traceparent)
     started = time.monotonic()
@@ -229,15 +251,24 @@ def _end_trace(task_id: str, **_: Any) -> None:
 
 def install(app: Celery) -> None:
     """Register both tasks on ``app``, and the signals that tag the lines of a run."""
-    one = app.task(name=EXECUTE_TASK, bind=True, ignore_result=True, throws=(TaskNotDone,))(
-        execute_task
-    )
+    # Acked when the run ends, and given back to the broker when the pool's process dies
+    # under it: a dead worker's messages are redelivered at once (``take_back``).
+    one = app.task(
+        name=EXECUTE_TASK,
+        bind=True,
+        ignore_result=True,
+        throws=(TaskNotDone,),
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )(execute_task)
     app.task(
         name=EXECUTE_BATCH,
         bind=True,
         ignore_result=True,
         throws=(TaskNotDone,),
         resultrepr_maxsize=BATCH_RESULT_MAX,
+        acks_late=True,
+        reject_on_worker_lost=True,
     )(execute_batch)
     task_prerun.connect(_begin_trace, sender=one, weak=False)
     task_postrun.connect(_end_trace, sender=one, weak=False)

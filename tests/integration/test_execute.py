@@ -34,7 +34,7 @@ from bridge.handlers.api import Handler, PermanentFailure, TaskContext, Temporar
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
 from bridge.metrics import count_runs
-from bridge.queue import OperatorActions, Outcome, PhorgeQueue, make_engine
+from bridge.queue import Lease, OperatorActions, Outcome, PhorgeQueue, make_engine
 from bridge.queue import retry as retry_module
 from bridge.queue import statements as sql
 from bridge.queue.dialect import db_now
@@ -120,6 +120,14 @@ def sleeps(monkeypatch) -> list[float]:
 # -- helpers -------------------------------------------------------------------------------
 
 
+def warm_run_locks(rt: Runtime) -> None:
+    """Make the run locks' connection, as a worker's first run does: it is the
+    process's, like the session's, so a run costs no pool checkout."""
+    warm = Lease(0, "warm", 0)
+    rt.runs.hold([warm])
+    rt.runs.release([warm])
+
+
 def queue_and_lease(rt: Runtime, task_class: str, data=None, seconds: int = 300, **options):
     """Enqueue one task and lease it as a poll would; returns the leased Task."""
     task_id = rt.queue.enqueue(task_class, data, **options)
@@ -191,6 +199,7 @@ def renewals(result: str) -> float:
 @pytest.mark.parametrize("inline", [True, False], ids=["data-in-message", "data-from-db"])
 def test_a_short_task_costs_one_commit_its_outcome(rt, inline):
     task = queue_and_lease(rt, TEST_WORKER, {"duration": 0})
+    warm_run_locks(rt)
     cost = SessionCost(rt)
     outcome = run_task(rt, task.lease, task.raw_data if inline else None).outcome
     assert outcome is Outcome.SUCCESS
@@ -648,6 +657,7 @@ def batches(rt, monkeypatch) -> list[tuple[list, int]]:
 
 def test_a_batch_costs_one_round_trip_a_task_and_a_commit_each(rt, batches):
     owner, items = lease_batch(rt, TEST_WORKER, 8)
+    warm_run_locks(rt)
     cost = SessionCost(rt)
     ids = ", ".join(f"#{task_id}" for task_id, *_ in items)
     assert celery_execute_batch()(owner, items) == f"8 task(s): 8 success ({ids})"

@@ -1,0 +1,120 @@
+"""Run locks on MariaDB: a live run holds its lease's lock until its process ends; a
+redelivered copy hands back only leases no live run holds; stranded leases stop counting
+against the pace (``bridge.queue.run_locks``, ``bridge.engine.redelivery``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from services import url_of
+from sqlalchemy import Engine, select, text, update
+
+from bridge.config import load_settings
+from bridge.engine.batch import RUNNING_ELSEWHERE, Batch
+from bridge.engine.context import Runtime
+from bridge.engine.redelivery import hand_back_redelivered
+from bridge.handlers.phabricator import PhabricatorTestWorker
+from bridge.handlers.registry import Registry
+from bridge.queue import Lease, Outcome, PhorgeQueue, make_engine
+from bridge.queue import statements as sql
+from bridge.queue.model import Leased, NewTask
+from bridge.queue.phorge_queue import STRANDED_AFTER
+from bridge.queue.run_locks import RunLocks
+from bridge.queue.schema import worker_activetask as active
+
+pytestmark = pytest.mark.mariadb
+
+CLASS = "PhabricatorTestWorker"
+
+
+@pytest.fixture
+def rt(mysql_engine: Engine) -> Iterator[Runtime]:
+    url = url_of(mysql_engine)
+    settings = load_settings({"BRIDGE_DATABASE_URL": url, "BRIDGE_BROKER_URL": "amqp://unused//"})
+    runtime = Runtime(settings, PhorgeQueue(make_engine(url)), Registry([PhabricatorTestWorker()]))
+    yield runtime
+    runtime.runs.close()
+    runtime.queue.engine.dispose()
+
+
+@pytest.fixture
+def elsewhere(rt: Runtime) -> Iterator[RunLocks]:
+    """Another process's run locks, on a connection of its own."""
+    other = RunLocks(rt.queue.engine)
+    yield other
+    other.close()
+
+
+def leased(rt: Runtime, count: int = 1) -> tuple[str, list[Leased]]:
+    rt.queue.enqueue_many([NewTask(CLASS, {}) for _ in range(count)])
+    return rt.queue.lease_to_send(count, "bridge", 300, [CLASS], 1024)
+
+
+def lease_of(owner: str, item: Leased) -> Lease:
+    return Lease(item.id, owner, item.failure_count)
+
+
+def test_a_held_lock_is_the_sql_twins_and_is_freed_when_its_holder_dies(
+    rt, elsewhere, mysql_engine, mysql_server
+):
+    owner, [item] = leased(rt)
+    assert elsewhere.hold([lease_of(owner, item)]) == [True]
+    assert rt.runs.hold([lease_of(owner, item)]) == [False], "a live run holds it"
+    with mysql_engine.connect() as conn:
+        key = conn.execute(
+            select(sql.run_lock_key_of(active.c.leaseOwner, active.c.id)).where(
+                active.c.id == item.id
+            )
+        ).scalar_one()
+        holder = conn.execute(sql.lock_holder(key)).scalar_one()
+    assert key == elsewhere.key(lease_of(owner, item))
+    with mysql_server.connect() as root:
+        root.execute(text(f"KILL CONNECTION {holder}"))  # its process died
+    assert rt.runs.hold([lease_of(owner, item)], wait=2) == [True]
+
+
+def test_a_redelivered_copy_hands_back_only_leases_no_live_run_holds(rt, elsewhere):
+    owner, items = leased(rt, 3)
+    running, dead, finished = items
+    elsewhere.hold([lease_of(owner, running)])
+    Batch(rt, owner, None).run([finished])  # the first delivery ran it before dying
+    redelivery = hand_back_redelivered(rt, owner, items)
+    assert redelivery.running == [running.id]
+    assert redelivery.handed_back == [dead.id]
+    assert redelivery.done == [finished.id]
+    with rt.queue.engine.connect() as conn:
+        rows = {row.id: row for row in conn.execute(select(active))}
+    assert rows[running.id].leaseOwner == owner, "a live run keeps its lease"
+    assert rows[dead.id].leaseOwner is None, "due again at once, for a new lease"
+    assert finished.id not in rows
+
+
+def test_a_message_does_not_run_a_lease_a_live_run_holds(rt, elsewhere):
+    owner, [item] = leased(rt)
+    elsewhere.hold([lease_of(owner, item)])
+    batch = Batch(rt, owner, None)
+    batch.run([item])
+    [(_, report, _)] = batch.reports
+    assert (report.outcome, report.reason) == (Outcome.LEASE_LOST, RUNNING_ELSEWHERE)
+    elsewhere.release([lease_of(owner, item)])
+    again = Batch(rt, owner, None)
+    again.run([item])
+    assert again.reports[0][1].outcome is Outcome.SUCCESS
+    assert rt.runs.hold([lease_of(owner, item)]) == [True], "released after its outcome"
+
+
+def test_stranded_leases_do_not_count_as_in_flight(rt, elsewhere, mysql_engine):
+    _, items = leased(rt, 3)
+    young, old_running, old_stranded = items
+    with mysql_engine.begin() as conn:
+        now = conn.execute(select(text("UNIX_TIMESTAMP()"))).scalar_one()
+        old = f"bridge:1:{now - STRANDED_AFTER - 5}:host:1"
+        conn.execute(
+            update(active)
+            .where(active.c.id.in_([old_running.id, old_stranded.id]))
+            .values(leaseOwner=old)
+        )
+    elsewhere.hold([Lease(old_running.id, old, old_running.failure_count)])
+    [in_flight] = rt.queue.in_flight_by_class("bridge", [CLASS]).values()
+    assert in_flight.count == 2, f"#{young.id} and the running one; not the stranded one"
