@@ -174,5 +174,10 @@ class RunnerDied(BridgeError):
     message says which, in PHP's words."""
 
 
+class RunnerKilled(RunnerDied):
+    """The process was killed from outside (SIGKILL, SIGTERM: the OOM killer, an
+    operator), not by its task's own fatal error, ``exit()`` or crash."""
+
+
 class RunnerTimedOut(RunnerDied):
     """The request ran past its deadline, and the process was killed."""

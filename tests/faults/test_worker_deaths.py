@@ -2,25 +2,32 @@
 
 Two workers drain a queue with the default dispatch lease (300 s); one dies mid-task: a
 whole prefork worker ``kill -9``ed, one prefork child ``kill -9``ed, a threads worker
-``kill -9``ed. The broker redelivers the dead one's messages at once (``acks_late``,
+``kill -9``ed; and a PHP runner process ``kill -9``ed under a live worker of either pool.
+The broker redelivers the dead one's messages at once (``acks_late``,
 ``reject_on_worker_lost``), and their copies hand back every lease no live run holds
 (``bridge.engine.redelivery``), so the tasks run again in new leases. Each scenario
 prints the re-run delay of the tasks the dead worker was running and the survivor's
 rate against its rate before the death; the delay is asserted with a wide margin (60 s
-for a 30 s target), the rate only printed (this machine is loaded).
+for a 30 s target), the rate only printed (this machine is loaded). A PHP runner process
+killed from outside (the OOM killer's SIGKILL) hands its task back at once, no failure
+counted (``bridge.transports.php_runner.handler``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from php_standin import STANDIN_ROOT, php_binary
 
 from bridge.canary.weights import labelled
 from bridge.config import Settings
+from bridge.queue.model import RESULT_SUCCESS
 from bridge.queue.schema import worker_archivetask as archive
 
 TASKS = 120
@@ -114,3 +121,90 @@ def test_a_killed_prefork_child_s_task_runs_again_within_seconds(
     run.check()
     assert bridge.count(archive, archive.c.id.in_(run.ids)) == TASKS
     report(run, "prefork child", "survivor", [dead], at)
+
+
+PHP_TASKS = 40
+PHP_MS = 1000  # each slot is busy all but milliseconds of a second: a kill finds a run
+
+
+def php_runners() -> list[int]:
+    """The pids of every PHP runner process on this host."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (
+                entry.name.isdigit()
+                and b"phorge-bridge-runner.php" in (entry / "cmdline").read_bytes()
+            ):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def handed_back_after_kill(log: str, pid: int) -> int | None:
+    """The task the killed process ``pid`` was running, as the worker's log names it."""
+    line = rf"task (\d+) \(StandinSleepWorker\): PHP runner process {pid}: .*handed back"
+    found = re.search(line, log)
+    return int(found.group(1)) if found else None
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_killed_php_runner_process_s_task_runs_again_within_seconds(
+    fault_database, fault_rabbitmq, make_fault_bridge, fault_run, pool
+) -> None:
+    php_binary()
+    bridge = make_fault_bridge(
+        fault_database,
+        fault_rabbitmq.url,
+        DISPATCH_LEASE=DEFAULT_LEASE,
+        PHORGE_ROOT=str(STANDIN_ROOT),
+        RUNNER_CLASSES="Standin*",
+        HANDLERS_EXCLUDE="StandinSucceedWorker",  # follow-ups stay queued, never leased
+    )
+    others = set(php_runners())  # another engineer's suite may run PHP runners too
+    worker = bridge.worker(
+        "worker",
+        [bridge.default_queue, bridge.control_queue],
+        concurrency=2,
+        extra=("-P", "threads") if pool == "threads" else (),
+    )
+    bridge.wait_ready(worker)
+    bridge.beat()
+    run = fault_run(bridge)
+    run.add(bridge.enqueue("StandinSleepWorker", {"ms": PHP_MS}, count=PHP_TASKS), RESULT_SUCCESS)
+    run.start()
+    run.wait_fraction(0.3)
+    [victim, *_] = sorted(set(php_runners()) - others)
+    at, archived_at = time.time(), time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    task_id = bridge.wait_until(
+        lambda: handed_back_after_kill(worker.log(), victim), WAIT, "the killed run handed back"
+    )
+    bridge.wait_archived([task_id], timeout=WAIT)
+    delay = time.time() - at
+    run.over()
+    run.check()
+    [row] = bridge.archived([task_id]).values()
+    assert row.failureCount == 0, "a kill from outside counts no failure"
+    print(
+        f"\n[fault] PHP runner process killed ({pool} worker): task #{task_id} archived "
+        f"{delay:.1f} s after the kill (a {PHP_MS / 1000:.0f} s run; was 300 s, Phorge's "
+        f"retry wait, and one failure counted); queue {sampler_rate_ratio(run, archived_at):.2f}x "
+        "its rate before"
+    )
+    assert delay <= RERUN_WITHIN, delay
+
+
+def sampler_rate_ratio(run, at: float) -> float:
+    """The queue's archive rate after ``at`` (monotonic) against its rate before."""
+    assert run.sampler is not None
+    samples = run.sampler.samples
+    moving = [(t, n) for t, n in samples if 0 < n < len(run.ids)]
+    before = [(t, n) for t, n in moving if t <= at]
+    after = [(t, n) for t, n in moving if t > at]
+    if len(before) < 2 or len(after) < 2:
+        return float("nan")
+    rate_before = (before[-1][1] - before[0][1]) / max(before[-1][0] - before[0][0], 1e-6)
+    rate_after = (after[-1][1] - after[0][1]) / max(after[-1][0] - after[0][0], 1e-6)
+    return rate_after / max(rate_before, 1e-6)

@@ -184,6 +184,26 @@ def test_a_dying_task_fails_alone_with_its_reason_and_wait(fault: str) -> None:
         os.kill(before, 0)
 
 
+def test_a_process_killed_from_outside_hands_its_task_back_once() -> None:
+    """SIGKILL (the OOM killer) is not the task's crash: the first kill hands the lease
+    back at once, no failure counted; the same task killed again counts as a failure with
+    Phorge's wait, so a task that gets its PHP killed every time never loops for free."""
+    heard = Heard()
+    with runner_handler() as handler:
+        handler.pool.listeners.append(heard)
+        first = run_handler(handler, context("StandinKilledWorker", task_id=7))
+        assert first.outcome is Outcome.HANDED_BACK, first
+        assert "killed by SIGKILL" in first.reason and "no failure counted" in first.reason
+        other = run_handler(handler, context("StandinKilledWorker", task_id=8))
+        assert other.outcome is Outcome.HANDED_BACK, "each task has its own first kill"
+        again = run_handler(handler, context("StandinKilledWorker", task_id=7))
+        assert (again.outcome, again.delay) == (Outcome.FAILURE, DEFAULT_RETRY_WAIT), again
+        assert "killed again" in again.reason
+        assert [cause for _, cause in heard.endings] == [Restart.DIED] * 3
+        assert run_handler(handler, context("StandinPidWorker")).outcome is Outcome.SUCCESS
+        assert not handler.availability.is_open
+
+
 def test_an_endless_loop_is_stopped_before_its_lease_ends() -> None:
     heard = Heard()
     with runner_handler() as handler:

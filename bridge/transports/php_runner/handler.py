@@ -9,6 +9,12 @@ as ``worker.execute``'s, so the answer is read by ``bridge.transports.task_run``
 A task whose PHP dies (a fatal error, ``exit()``, a segfault, memory exhausted) or runs
 past its lease (its process is killed a little before the lease ends) fails temporarily,
 with the reason in PHP's words and the worker's own wait, asked of a fresh process. A
+process killed from outside mid-task (SIGKILL or SIGTERM: the OOM killer, an operator)
+is no proof against the task: as under phd, where a killed taskmaster's task runs again
+under a new lease with no failure counted, the lease is handed back at once, but only
+the first time in :data:`KILL_MEMORY` seconds this process sees that task killed
+(:class:`Kills`), so a task that gets its PHP killed every time (its own memory) counts
+failures and waits as a crash does, and reaches its retry limit. A
 runner that cannot boot is nobody's failure: the task is handed back at once, for a
 worker whose PHP runs, and its availability holds the classes back here until a process boots
 again.
@@ -17,9 +23,11 @@ again.
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from typing import Any
 
-from bridge.errors import RunnerBootError, RunnerDied, RunnerTimedOut
+from bridge.errors import RunnerBootError, RunnerDied, RunnerKilled, RunnerTimedOut
 from bridge.handlers.api import HandBack, PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.availability import Availability
 from bridge.handlers.capabilities import RUNNER, TransportHandler
@@ -39,6 +47,30 @@ LEASE_MARGIN_SHARE = 0.1
 LEASE_MARGIN_MAX = 60.0
 # How long the small requests (describe a class, ask a wait) may take.
 SHORT_REQUEST = 30.0
+# Seconds a process remembers a task whose PHP was killed under it: a second kill of it
+# within this time counts as a failure (``Kills``).
+KILL_MEMORY = 3600.0
+KILLS_KEPT = 1024  # tasks remembered at most (the oldest forgotten first)
+
+
+class Kills:
+    """The tasks whose PHP process this worker process saw killed from outside, and when:
+    the first kill of a task is handed back, a repeat within :data:`KILL_MEMORY` is a
+    failure. Per process and in memory: no Phorge column can hold it (a ``failureTime``
+    with no failure counted is a gray migration's fallback), so a fleet of N processes
+    gives a task at most N free runs an hour, never an endless loop."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[int, float] = OrderedDict()
+
+    def first(self, task_id: int) -> bool:
+        """Record a kill of ``task_id``: whether it is the first one in the memory."""
+        now = time.monotonic()
+        last = self._seen.pop(task_id, None)
+        self._seen[task_id] = now
+        while len(self._seen) > KILLS_KEPT:
+            self._seen.popitem(last=False)
+        return last is None or now - last > KILL_MEMORY
 
 
 class PhpRunnerHandler(TransportHandler):
@@ -55,6 +87,7 @@ class PhpRunnerHandler(TransportHandler):
         self.default_lease = default_lease
         self.availability = Availability(self.probe, name=NAME, max_backoff=PROBE_BACKOFF_MAX)
         self._described: dict[str, dict[str, Any]] = {}
+        self.kills = Kills()
 
     def probe(self) -> str | None:
         """The availability's probe: None once a process is booted (booting one if none is)."""
@@ -99,6 +132,13 @@ class PhpRunnerHandler(TransportHandler):
         except RunnerTimedOut as exc:
             reason = f"ran past its lease ({lease} s) and was stopped at {deadline:.0f} s: {exc}"
             raise self._died(task, reason) from None
+        except RunnerKilled as exc:
+            if not self.kills.first(task.id):
+                raise self._died(task, f"{exc} (killed again)") from None
+            log.warning(
+                "task %s (%s): %s; handed back, no failure counted", task.id, task.task_class, exc
+            )
+            raise HandBack(f"{exc}; handed back once, no failure counted") from None
         except RunnerDied as exc:
             raise self._died(task, str(exc)) from None
         self.availability.success()

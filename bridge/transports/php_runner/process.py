@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bridge.errors import RunnerBootError, RunnerDied, RunnerTimedOut
+from bridge.errors import RunnerBootError, RunnerDied, RunnerKilled, RunnerTimedOut
 from bridge.phorge.extension import RUNNER_FILENAME, shipped_file
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct(">I")
 OUTPUT_LINES_KEPT = 20
 STOP_GRACE = 2.0  # seconds a process gets to exit at the end of its pipe
+# Signals that come from outside the task (the OOM killer's SIGKILL, an operator's), as
+# opposed to PHP's own crashes (SIGSEGV, SIGABRT, SIGBUS): see ``RunnerKilled``.
+OUTSIDE_KILLS = frozenset({signal.SIGKILL, signal.SIGTERM})
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,9 @@ class RunnerProcess:
             how = f"killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with status {code}"
-        return RunnerDied(self._reason(f"{what}: PHP {how}", "\n".join(self.output)))
+        reason = self._reason(f"{what}: PHP {how}", "\n".join(self.output))
+        killed = code is not None and code < 0 and -code in OUTSIDE_KILLS
+        return RunnerKilled(reason) if killed else RunnerDied(reason)
 
     def _reason(self, what: str, printed: str = "") -> str:
         text = f"PHP runner process {self.pid}: {what}"

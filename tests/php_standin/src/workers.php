@@ -102,6 +102,14 @@ final class StandinSegfaultWorker extends PhabricatorWorker {
   }
 }
 
+// Its process killed from outside, as the OOM killer does: SIGKILL, no PHP error.
+final class StandinKilledWorker extends PhabricatorWorker {
+  protected function doWork() {
+    posix_kill(getmypid(), SIGKILL);
+    usleep(10000000);
+  }
+}
+
 final class StandinMemoryWorker extends PhabricatorWorker {
   protected function doWork() {
     ini_set('memory_limit', '48M');
