@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from bridge.engine.context import Runtime
 from bridge.queue import Lease
 from bridge.queue.model import Leased
-from bridge.queue.session import handed_back
+from bridge.queue.run_locks import RunLocks
+from bridge.queue.session import LeaseSession, handed_back
 
 # Seconds a copy waits for the first lock: the server frees a dead process's locks a
 # moment after its connection closed, which may be after the broker redelivered.
@@ -52,12 +53,20 @@ class Redelivery:
 def hand_back_redelivered(rt: Runtime, owner: str, items: Sequence[Leased]) -> Redelivery:
     """Hand back the leases of a redelivered message whose run is not alive."""
     leases = [Lease(item.id, owner, item.failure_count) for item in items]
-    held = rt.runs.hold(leases, wait=PROBE_WAIT)
+    return hand_back_unrun(rt.runs, rt.queue.session, leases, PROBE_WAIT)
+
+
+def hand_back_unrun(
+    runs: RunLocks, session: LeaseSession, leases: Sequence[Lease], wait: float
+) -> Redelivery:
+    """Hand back each of ``leases`` whose run lock is free (``wait``: seconds for the
+    first), fenced; the lock is held through the write, so no run starts meanwhile."""
+    held = runs.hold(leases, wait=wait)
     free = [lease for lease, ok in zip(leases, held, strict=True) if ok]
     try:
-        written = rt.queue.session.apply([handed_back(lease) for lease in free]) if free else []
+        written = session.apply([handed_back(lease) for lease in free]) if free else []
     finally:
-        rt.runs.release(free)
+        runs.release(free)
     back = {lease.task_id for lease, ok in zip(free, written, strict=True) if ok}
     redelivery = Redelivery()
     for lease, ok in zip(leases, held, strict=True):

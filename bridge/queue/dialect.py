@@ -5,6 +5,8 @@ Everything else the bridge says to the database is portable SQLAlchemy Core.
 
 from __future__ import annotations
 
+import os
+import threading
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +159,27 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # bounded by the threads that use the engine).
     kwargs.setdefault("max_overflow", -1)
     return create_engine(url, connect_args=connect_args, **kwargs)
+
+
+LOCK_IDLE_TIMEOUT = 10  # seconds the server keeps a silent lock holder's session
+_lock_engines: dict[tuple[int, str], Engine] = {}
+_lock_engines_mutex = threading.Lock()
+
+
+def lock_engine(engine: Engine) -> Engine:
+    """The engine for named locks held across other work (the poll lock, the guard's):
+    its sessions end after :data:`LOCK_IDLE_TIMEOUT` seconds of silence, so a holder
+    whose host vanished frees its lock that soon (pre-ping replaces a connection the
+    server ended while pooled). One per process, so a prefork child has its own."""
+    if not is_mysql(engine):
+        return engine
+    url = engine.url.render_as_string(hide_password=False)
+    key = (os.getpid(), url)
+    with _lock_engines_mutex:
+        if key not in _lock_engines:
+            init = f"SET SESSION sql_mode = 'STRICT_ALL_TABLES', wait_timeout = {LOCK_IDLE_TIMEOUT}"
+            _lock_engines[key] = make_engine(url, connect_args={"init_command": init})
+        return _lock_engines[key]
 
 
 def _sqlite_pragmas(dbapi_connection: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:

@@ -8,6 +8,7 @@ outcomes, follow-ups written through :meth:`PhorgeQueue._complete_with`), and th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -16,9 +17,10 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, Row
+from sqlalchemy.exc import SQLAlchemyError
 
 from bridge.queue import statements as sql
-from bridge.queue.dialect import is_mysql, lock_key, make_engine, next_task_ids
+from bridge.queue.dialect import is_mysql, lock_engine, lock_key, make_engine, next_task_ids
 from bridge.queue.model import (
     DEFAULT_LEASE_SECONDS,
     PRIORITY_DEFAULT,
@@ -42,6 +44,7 @@ from bridge.queue.schema import worker_activetask as active_table
 from bridge.queue.schema import worker_archivetask as archive_table
 from bridge.queue.session import LeaseSession
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Seconds after its lease a lease that no live run holds stops counting as in flight: a
@@ -102,20 +105,27 @@ def named_lock(engine: Engine, name: str) -> Iterator[int | None]:
     """Hold the lock ``name`` for the block; yields the database time, or None when
     another process holds it (MySQL's ``GET_LOCK``, per server, so per database name
     too). SQLite, the single-process embedded default, has no such lock, and needs none.
+
+    The lock is held on a connection of :func:`lock_engine`'s, whose session the server
+    ends after 10 s of silence: a holder whose host vanished (a frozen or unplugged host
+    sends no FIN) frees the lock then, not after the server's ``wait_timeout`` of hours,
+    which would stop every poll.
     """
-    with engine.connect() as conn:
+    with lock_engine(engine).connect() as conn:
         if not is_mysql(engine):
             yield int(conn.execute(sql.server_time()).scalar_one())
             return
         key = lock_key(engine, name)
         got, now = conn.execute(sql.get_lock(key)).one()
-        if not got:
-            yield None
-            return
         try:
-            yield int(now)
+            yield int(now) if got else None
         finally:
-            conn.execute(sql.release_lock(key))
+            try:
+                if got:
+                    conn.execute(sql.release_lock(key))
+            except SQLAlchemyError as exc:  # the server ended the session: the lock went with it
+                log.warning("named lock %s: its session ended while held: %s", key, exc)
+                conn.invalidate()
 
 
 class PhorgeQueue:

@@ -20,8 +20,8 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, Select
 from sqlalchemy.exc import SQLAlchemyError
@@ -33,8 +33,11 @@ from bridge.queue.retry import retrying
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 PING_EVERY = 2.0  # seconds between the holder's pings, while it holds a lock
 IDLE_TIMEOUT = 10  # seconds the server keeps a silent holder's session (and its locks)
+LOOK_CHUNK = 500  # locks looked at in one statement
 
 
 def run_lock_key(database: str | None, owner: str, task_id: int) -> str:
@@ -43,6 +46,10 @@ def run_lock_key(database: str | None, owner: str, task_id: int) -> str:
     is its SQL twin, and the two must agree."""
     digest = hashlib.md5(f"{database or ''}:{owner}:{task_id}".encode(), usedforsecurity=False)
     return sql.RUN_LOCK_PREFIX + digest.hexdigest()
+
+
+def one_row(statement: Select[Any]) -> Callable[[Connection], tuple[Any, ...]]:
+    return lambda conn: tuple(conn.execute(statement).one())
 
 
 class RunLocks:
@@ -56,23 +63,45 @@ class RunLocks:
         self._held: set[str] = set()
         self._lock = threading.Lock()
         self._pinger: threading.Thread | None = None
+        self._used = 0.0  # monotonic time of the connection's last statement
 
     def key(self, lease: Lease) -> str:
         return run_lock_key(self.database, lease.owner, lease.task_id)
 
     def hold(self, leases: Sequence[Lease], wait: float = 0) -> list[bool]:
-        """Take each lease's lock; False where a live run elsewhere holds it. ``wait``:
-        seconds to wait for the first (a dead holder's locks are freed all at once, a
-        moment after its death). Raises ``DatabaseUnavailable`` after the retries."""
+        """Take each lease's lock; False where a live run holds it: elsewhere, or in this
+        process already (a named lock is re-entrant for its session, so another thread's
+        run would look free). ``wait``: seconds to wait for the first (a dead holder's
+        locks are freed all at once, a moment after its death). Raises
+        ``DatabaseUnavailable`` after the retries."""
         if not self._mysql or not leases:
             return [True] * len(leases)
         keys = [self.key(lease) for lease in leases]
-        taken = self._execute("run locks", sql.take_run_locks(keys, wait))
-        held = [bool(value) for value in taken]
-        with self._lock:
-            self._held.update(k for k, ok in zip(keys, held, strict=True) if ok)
+
+        def take(conn: Connection) -> list[bool]:
+            ask = [key for key in dict.fromkeys(keys) if key not in self._held]
+            row = conn.execute(sql.take_run_locks(ask, wait)).one() if ask else ()
+            taken = dict(zip(ask, row, strict=True))
+            self._held.update(key for key, ok in taken.items() if ok)
+            return [bool(taken.get(key)) for key in keys]
+
+        held = self._execute("run locks", take)
         self._keep_alive()
         return held
+
+    def free(self, leases: Sequence[Lease]) -> list[bool]:
+        """Whether no live session holds each lease's lock (none is taken). Raises
+        ``DatabaseUnavailable`` after the retries."""
+        if not self._mysql or not leases:
+            return [False] * len(leases)
+        keys = [self.key(lease) for lease in leases]
+        return [
+            bool(value)
+            for at in range(0, len(keys), LOOK_CHUNK)
+            for value in self._execute(
+                "run locks", one_row(sql.free_run_locks(keys[at : at + LOOK_CHUNK]))
+            )
+        ]
 
     def release(self, leases: Sequence[Lease]) -> None:
         """Let go of these leases' locks (their outcomes are written, or never will be
@@ -83,7 +112,7 @@ class RunLocks:
         with self._lock:
             self._held.difference_update(keys)
         try:
-            self._execute("run locks", sql.release_run_locks(keys))
+            self._execute("run locks", one_row(sql.release_run_locks(keys)))
         except Exception as exc:
             log.warning("could not release %d run lock(s): %s", len(keys), exc)
 
@@ -93,12 +122,15 @@ class RunLocks:
             self._held.clear()
             self._drop()
 
-    def _execute(self, what: str, statement: Select[Any]) -> tuple[Any, ...]:
-        def attempt() -> tuple[Any, ...]:
+    def _execute(self, what: str, use: Callable[[Connection], T]) -> T:
+        """``use`` the locks' connection, under this process's lock, with retries."""
+
+        def attempt() -> T:
             with self._lock:
                 try:
-                    conn = self._connection()
-                    return tuple(conn.execute(statement).one())
+                    result = use(self._connection())
+                    self._used = time.monotonic()
+                    return result
                 except SQLAlchemyError:
                     self._drop()
                     raise
@@ -109,7 +141,14 @@ class RunLocks:
         """The locks' connection; a new one takes the held locks again, since the server
         freed them with the old session (those a redelivered copy took meanwhile are lost,
         and said so: that copy handed its lease back, and this run's outcome will find
-        its fence gone)."""
+        its fence gone). One silent for half the idle timeout with no lock held is
+        replaced unasked: the server may have ended it."""
+        if (
+            self._conn is not None
+            and not self._held
+            and time.monotonic() - self._used > IDLE_TIMEOUT / 2
+        ):
+            self._drop()
         if self._conn is None:
             conn = self.engine.connect()
             conn.execute(sql.set_idle_timeout(IDLE_TIMEOUT))
@@ -148,6 +187,7 @@ class RunLocks:
                     continue
                 try:
                     self._connection().execute(sql.PING)
+                    self._used = time.monotonic()
                 except SQLAlchemyError as exc:
                     log.warning("run locks: ping failed: %s", exc)
                     self._drop()

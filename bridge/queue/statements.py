@@ -819,6 +819,11 @@ def take_run_locks(keys: Sequence[str], wait: float) -> Select[Any]:
     return select(*(func.get_lock(key, wait if i == 0 else 0) for i, key in enumerate(keys)))
 
 
+def free_run_locks(keys: Sequence[str]) -> Select[Any]:
+    """Whether each named lock of ``keys`` is free (1) or held by a live session (0)."""
+    return select(*(func.is_free_lock(key) for key in keys))
+
+
 def release_run_locks(keys: Sequence[str]) -> Select[Any]:
     return select(*(func.release_lock(key) for key in keys))
 

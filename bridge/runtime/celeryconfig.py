@@ -33,6 +33,12 @@ worker_prefetch_multiplier = 1
 # With --autoscale, Celery's scale-down could kill a task just started (issue 29); the
 # bridge's autoscaler shrinks the pool only while it holds no task.
 worker_autoscaler = "bridge.runtime.autoscale:Autoscaler"
+# RabbitMQ gives up on a vanished worker host's connection (and requeues its unacked
+# messages, whose copies hand the dead runs' leases back) after about two heartbeats:
+# 5 s (the low end of the 5-20 s RabbitMQ recommends) makes that about 10 s, not the
+# 240 s of Celery's default 120 s. Only the worker's consuming connection negotiates
+# heartbeats (Celery's event loop sends them); producers' connections go without.
+broker_heartbeat = 5
 # Redis re-delivers unacked messages after visibility_timeout: it must outlast any lease,
 # or a long task would be delivered twice (the fence would then drop the second copy).
 if broker_url.startswith("redis"):

@@ -90,6 +90,7 @@ def execute_task(
     data: str | None = None,
     task_class: str | None = None,
     repoll: bool = False,
+    watch: int = 0,
 ) -> str:
     """Run Phorge task ``task_id`` under its dispatch lease (``data``: its JSON, when small).
 
@@ -100,10 +101,12 @@ def execute_task(
     RETRY or FAILURE with the reason.
     ``repoll`` marks the middle of a full dispatch: once it has run, half the queue's
     capacity is free again, so the poller is asked to fill it now, not at the next beat.
+    ``watch`` counts the copies sent to watch a run a live process holds (:func:`take_back`):
+    such a copy, like a message the broker delivered again, never runs the task.
     """
     item = Leased(task_id, failure_count, task_class, data)
-    if redelivered(self.request):
-        return take_back(self.app, owner, [item])
+    if redelivered(self.request, watch):
+        return take_back(self, owner, [item], watch)
     trace = current_trace() or trace_of(self.request, task_id, owner, task_class)
     batch = Batch(runtime(), owner, trace.traceparent)
     try:
@@ -143,18 +146,56 @@ def yielded(line: str, item: Leased) -> str:
     return f"{line}; runs again in a new message: search {search_term(item)}"
 
 
-def redelivered(request: Any) -> bool:
-    """Whether the broker delivered this message before (``bridge.engine.redelivery``)."""
-    return bool((request.delivery_info or {}).get("redelivered"))
+def redelivered(request: Any, watch: int) -> bool:
+    """Whether the broker delivered this message before, or it is a copy that watches a
+    live run (``bridge.engine.redelivery``): either never runs its tasks."""
+    return watch > 0 or bool((request.delivery_info or {}).get("redelivered"))
 
 
-def take_back(app: Celery, owner: str, items: Sequence[Leased]) -> str:
+def take_back(task: Task[Any, Any], owner: str, items: Sequence[Leased], watch: int) -> str:
     """A redelivered message's end: its leases whose run is not alive handed back, and a
-    poll asked for, so they run again in a new lease at once."""
-    line = hand_back_redelivered(runtime(), owner, items).describe()
-    log.warning("%s", line)
-    ask_for_poll(app)
+    poll asked for, so they run again in a new lease at once. Those a live run holds are
+    watched: a copy of the message comes back in :func:`watch_delay` seconds and looks
+    again, so a run whose process dies later (its host lost: the database frees its locks
+    a few seconds after the broker gave up on it) is still handed back in seconds."""
+    rt = runtime()
+    redelivery = hand_back_redelivered(rt, owner, items)
+    line = redelivery.describe()
+    if redelivery.handed_back or not watch:
+        log.warning("%s", line)
+    if redelivery.handed_back:
+        ask_for_poll(task.app)
+    running = set(redelivery.running)
+    if running:
+        watched = [item for item in items if item.id in running]
+        args, kwargs = watch_copy(task.name, owner, watched, dict(task.request.kwargs or {}))
+        task.apply_async(
+            args,
+            {**kwargs, "watch": watch + 1},
+            countdown=watch_delay(watch),
+            queue=rt.settings.router.queue_for(watched[0].task_class or ""),
+        )
     return line
+
+
+WATCH_FIRST = 2.0  # seconds before a run held elsewhere is looked at again
+WATCH_MAX = 60.0  # and at most this long apart, for a partitioned run that goes on
+
+
+def watch_delay(watch: int) -> float:
+    """Seconds before watch number ``watch + 1``: doubling from :data:`WATCH_FIRST`."""
+    return min(WATCH_FIRST * 2.0 ** min(watch, 8), WATCH_MAX)
+
+
+def watch_copy(
+    name: str, owner: str, items: Sequence[Leased], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a copy of ``name``'s message that watches ``items``."""
+    kwargs.pop("repoll", None)
+    if name == EXECUTE_TASK:
+        [item] = items
+        return (item.id, owner, item.failure_count), kwargs
+    return (owner, [list(item) for item in items]), {}
 
 
 def ask_for_poll(app: Celery) -> None:
@@ -163,7 +204,11 @@ def ask_for_poll(app: Celery) -> None:
 
 
 def execute_batch(
-    self: Task[Any, Any], owner: str, tasks: list[list[Any]], repoll: bool = False
+    self: Task[Any, Any],
+    owner: str,
+    tasks: list[list[Any]],
+    repoll: bool = False,
+    watch: int = 0,
 ) -> str:
     """Run the tasks of a backlog's batch in order (each ``[id, failure_count, class,
     data]``, leased by ``owner``); see :func:`execute_task` for ``repoll``.
@@ -176,8 +221,8 @@ def execute_batch(
     """
     rt = runtime()
     items = [Leased(*task) for task in tasks]
-    if redelivered(self.request):
-        return take_back(self.app, owner, items)
+    if redelivered(self.request, watch):
+        return take_back(self, owner, items, watch)
     traceparent = traceparent_or_new(self.request.get(TRACEPARENT_HEADER))
     batch = Batch(rt, owner, traceparent)
     started = time.monotonic()

@@ -17,7 +17,7 @@ import outcomes
 import pytest
 from bad_rows import corrupt_data
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_result
-from sqlalchemy import Engine, event, update
+from sqlalchemy import Engine, event, text, update
 
 from bridge.celery import app
 from bridge.config import load_settings
@@ -26,7 +26,7 @@ from bridge.engine.context import Runtime
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.registry import Registry
 from bridge.queue import PhorgeQueue, make_engine
-from bridge.queue.dialect import db_now
+from bridge.queue.dialect import LOCK_IDLE_TIMEOUT, db_now, lock_engine
 from bridge.queue.model import Lease, NewTask, TaskFilter, lease_epoch
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
@@ -362,6 +362,7 @@ def test_a_poll_of_an_empty_queue_sends_only_the_lock_and_the_class_read(make_ru
         statements.append(statement.split()[1].split("(")[0].lower())
 
     event.listen(rt.queue.engine, "before_cursor_execute", record)
+    event.listen(lock_engine(rt.queue.engine), "before_cursor_execute", record)
     assert poll_once(rt) == 0
     assert statements == ["get_lock", "distinct", "release_lock"]
     assert sent == []
@@ -441,3 +442,14 @@ def test_no_urgent_lane_beyond_the_inflight_limit(make_runtime, sent):
     assert poll_once(rt) == 2
     enqueue(rt, FAST, priority=1000)
     assert poll_once(rt) == 0
+
+
+def test_the_poll_lock_s_session_is_dropped_by_the_server_when_silent(make_runtime):
+    """A host lost mid-poll must not hold the poll lock for the server's wait_timeout of
+    hours: the lock's session ends after LOCK_IDLE_TIMEOUT seconds of silence."""
+    rt = make_runtime()
+    with lock_engine(rt.queue.engine).connect() as conn:
+        timeout = conn.execute(text("SELECT @@session.wait_timeout")).scalar_one()
+    assert timeout == LOCK_IDLE_TIMEOUT
+    with rt.queue.engine.connect() as conn:
+        assert conn.execute(text("SELECT @@session.wait_timeout")).scalar_one() > timeout

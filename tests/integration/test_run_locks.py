@@ -118,3 +118,13 @@ def test_stranded_leases_do_not_count_as_in_flight(rt, elsewhere, mysql_engine):
     elsewhere.hold([Lease(old_running.id, old, old_running.failure_count)])
     [in_flight] = rt.queue.in_flight_by_class("bridge", [CLASS]).values()
     assert in_flight.count == 2, f"#{young.id} and the running one; not the stranded one"
+
+
+def test_a_lease_this_process_runs_is_held_for_its_other_threads(rt):
+    """A named lock is re-entrant for its session, which the process's threads share: a
+    redelivered copy in another thread must still see the run."""
+    owner, [item] = leased(rt)
+    assert rt.runs.hold([lease_of(owner, item)]) == [True]
+    assert rt.runs.hold([lease_of(owner, item)]) == [False], "a run of this process holds it"
+    rt.runs.release([lease_of(owner, item)])
+    assert rt.runs.hold([lease_of(owner, item)]) == [True]
