@@ -150,7 +150,10 @@ class RunLocks:
         ):
             self._drop()
         if self._conn is None:
-            conn = self.engine.connect()
+            # Uncached: a statement has a column per lock, so its shape changes with the
+            # count, and caching each count a worker meets (up to 500, each as wide as
+            # its batch) kept tens of MB and pushed the queue's statements out.
+            conn = self.engine.connect().execution_options(compiled_cache=None)
             conn.execute(sql.set_idle_timeout(IDLE_TIMEOUT))
             self._conn = conn
             if self._held:

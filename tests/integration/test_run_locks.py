@@ -128,3 +128,18 @@ def test_a_lease_this_process_runs_is_held_for_its_other_threads(rt):
     assert rt.runs.hold([lease_of(owner, item)]) == [False], "a run of this process holds it"
     rt.runs.release([lease_of(owner, item)])
     assert rt.runs.hold([lease_of(owner, item)]) == [True]
+
+
+def test_batches_of_every_size_leave_the_engines_statement_cache_as_it_was(rt):
+    """A lock statement has a column per lease: cached, each batch size a worker met
+    stayed in the engine's compiled cache (15,000 leases in batches of 1-100 kept 89 MB,
+    and the soak's worker grew by 1.6 KB a task) and pushed the queue's statements out."""
+    cache = rt.queue.engine._compiled_cache
+    rt.runs.free([Lease(1, "warm-up", 0)])
+    before = len(cache)
+    for size in range(1, 41):
+        batch = [Lease(task_id, f"size-{size}", 0) for task_id in range(size)]
+        assert all(rt.runs.hold(batch))
+        assert not any(rt.runs.free(batch))
+        rt.runs.release(batch)
+    assert len(cache) == before

@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 
+import pytest
 from kombu import Connection
 from sqlalchemy import create_engine, event, text
 
@@ -65,3 +67,15 @@ def test_a_queue_another_process_creates_meanwhile_is_used_not_a_crash(tmp_path)
         with other.connect() as theirs:
             rows = theirs.execute(text("SELECT count(*) FROM kombu_queue WHERE name='control'"))
             assert rows.scalar_one() == 1
+
+
+def test_a_bounded_wait_on_an_empty_queue_ends_soon_so_the_worker_sends_its_acks(tmp_path):
+    """Celery's loop for this transport sends the late acks its pool threads queued only
+    when a wait ends: a wait of the full bound it asks for (2 s) left a worker with a
+    spent prefetch slot, taking one task every two seconds."""
+    url = f"sqlite:///{tmp_path / 'broker.db'}"
+    with Connection(url, transport=Transport) as conn, conn.SimpleQueue("empty"):
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            conn.drain_events(timeout=60)
+        assert time.monotonic() - started < 30, "the wait lasted the bound asked for"
