@@ -209,6 +209,17 @@ def _fraction(raw: str) -> float:
     return value
 
 
+def _probability(raw: str) -> float:
+    """A chance strictly between 0 and 1: 0 never trips, 1 always does."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1:
+        raise ValueError(f"expected a number between 0 and 1 (exclusive), got {raw!r}")
+    return value
+
+
 def _factor(raw: str) -> float:
     try:
         value = float(raw)
@@ -549,9 +560,16 @@ class Settings:
     )
     canary_window_runs: int = setting(
         "BRIDGE_CANARY_WINDOW_RUNS",
-        "500",
+        "2000",
         _positive_int,
-        "newest archived runs of each side the canary guard judges",
+        "new-side runs at which the canary guard's window is cut short (the old side's "
+        "at four times that), for both sides at once",
+    )
+    canary_history: int = setting(
+        "BRIDGE_CANARY_HISTORY",
+        "86400",
+        _positive_int,
+        "seconds of the old side's runs the canary guard reads when its window holds too few",
     )
     canary_min_runs: int = setting(
         "BRIDGE_CANARY_MIN_RUNS",
@@ -567,9 +585,23 @@ class Settings:
     )
     canary_max_drop: float = setting(
         "BRIDGE_CANARY_MAX_DROP",
-        "0.02",
+        "0.01",
         _fraction,
-        "how far (0..1) the new side's success ratio may fall below the old side's",
+        "how far (0..1) the new side's success ratio may fall below the old side's before "
+        "a significant difference counts",
+    )
+    canary_significance: float = setting(
+        "BRIDGE_CANARY_SIGNIFICANCE",
+        "1e-6",
+        _probability,
+        "the chance (Fisher's one-sided test) below which the new side's excess of "
+        "failures is taken as real rather than luck",
+    )
+    canary_failure_limit: int = setting(
+        "BRIDGE_CANARY_FAILURE_LIMIT",
+        "3",
+        _positive_int,
+        "consecutive evaluations that must find the new side worse before a rollback",
     )
     canary_max_slowdown: float = setting(
         "BRIDGE_CANARY_MAX_SLOWDOWN",

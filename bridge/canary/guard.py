@@ -1,12 +1,22 @@
-"""The canary guard: the new side's runs against the old side's, from Phorge's archive,
+"""The canary guard: the new side's runs against the old side's, from Phorge's tables,
 and the rollback (or the next ramp step) that follows.
 
 Both sides archive their runs in ``worker_archivetask``, and each row's lease owner
-names who ran it (``weights.label_of``). Over the window (the last ``seconds`` of
-archived rows, the newest ``max_runs`` runs of each side), a row counts
-``1 + failureCount`` runs: its earlier, temporary failures and its last run (a success,
-or a permanent failure; a cancelled row's last run never ran). A row that fell back
-(``*-fallback``) is one new-side failure and the old side's run after it.
+names who ran it (``weights.label_of``). Over the window (the last ``seconds``, cut
+short for both sides at once when the new side has ``max_runs`` runs or the old side
+four times that), an archived row counts ``1 + failureCount`` runs: its earlier,
+temporary failures and its last run (a success, or a permanent failure; a cancelled
+row's last run never ran). A row that fell back (``*-fallback``) is one new-side failure
+and the old side's run after it. Rows still active count too, when their failure
+happened in the window: a fallback waiting for the old side is a new-side failure, and
+a temporary failure waiting for its retry is one of its side's, so a failure counts when
+it happens on either side, not only once its row is archived after the retry wait (an
+outage both sides share then weighs on both alike).
+
+The verdict is a test, not a point difference: Fisher's exact test must find the new
+side's excess of failures significant (``significance``), the excess must be larger
+than a practical bound (``max_drop``), and both must hold on ``failure_limit``
+consecutive evaluations (:class:`Suspicions`, as Argo Rollouts' ``failureLimit``).
 
 :func:`guard_once` runs under a named database lock, so one guard judges at a time
 however many beats and workers send it; beat sends it every
@@ -19,11 +29,12 @@ import logging
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
 from bridge.canary import sql
+from bridge.canary.significance import excess_failures_p
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import (
     FELL_BACK,
@@ -44,7 +55,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MICROSECONDS = 1_000_000  # the archive's ``duration`` unit
-PAGE_ROWS = 1000  # archive rows read at a time, newest first, until both sides are full
+PAGE_ROWS = 1000  # archive rows read at a time, newest first, until the window is cut
+OLD_RUNS_PER_NEW = 4  # the old side's runs, per new-side run of max_runs, that cut it
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,12 @@ class _Tally:
         self.runs += 1
         self.fallbacks += 1
 
+    def failed_for_now(self, failure_count: int, label: str) -> None:
+        """An active row's temporary failures, its retry still to come."""
+        self.implementations.add(label)
+        self.runs += failure_count
+        self.temporary += failure_count
+
     def stats(self) -> SideStats:
         ordered = sorted(self.durations)
         return SideStats(
@@ -134,37 +152,49 @@ class _Tally:
 
 
 def read_window(engine: Engine, task_class: str, level: str, seconds: int, max_runs: int) -> Window:
-    """``task_class``'s archived runs of the last ``seconds``, split into the two sides of
-    ``level`` by their lease owners' labels, the newest ``max_runs`` runs of each; then
-    the new side's failures whose rows still wait for the old side (a backlog there must
-    not hide them), read after the archive so that a row archived meanwhile is missed
-    rather than counted twice."""
-    new, old = _Tally(max_runs), _Tally(max_runs)
+    """``task_class``'s runs of the last ``seconds``, split into the two sides of
+    ``level`` by their lease owners' labels: archived rows newest first, until the new
+    side has ``max_runs`` runs or the old side ``OLD_RUNS_PER_NEW`` times that (both
+    sides then cover the same, shorter span); then the active rows that failed in that
+    span, read after the archive so that a row archived meanwhile is missed rather than
+    counted twice."""
+    new, old = _Tally(max_runs), _Tally(OLD_RUNS_PER_NEW * max_runs)
+    since: int | None = None  # where the window was cut, when it was
     before: tuple[int, int] | None = None
     with engine.connect() as conn:
-        while not (new.full and old.full):
+        now = int(conn.execute(sql.server_time()).scalar_one())
+        while since is None:
             rows = conn.execute(sql.archived_runs(task_class, seconds, PAGE_ROWS, before)).all()
             for row in rows:
-                label = label_of(row.leaseOwner)
-                side = side_of(level, label)
-                shown = label or PHD  # Phorge's own taskmasters' owners carry no label
-                failure_count, result, duration = row.failureCount, row.result, row.duration
-                if side == FELL_BACK:
-                    if not new.full:
-                        new.fell_back()
-                    if not old.full:
-                        old.archived(failure_count, result, duration, shown)
-                else:
-                    tally = new if side == NEW else old
-                    if not tally.full:
-                        tally.archived(failure_count, result, duration, shown)
+                _count(new, old, level, row)
+                if new.full or old.full:
+                    since = row.dateModified
+                    break
             if len(rows) < PAGE_ROWS:
                 break
             before = (rows[-1].dateModified, rows[-1].id)
-        pending = conn.execute(sql.pending_fallbacks(task_class, seconds)).scalar_one()
-    for _ in range(min(int(pending), max(0, new.full_at - new.runs))):
+        start = now - seconds if since is None else since
+        for row in conn.execute(sql.failed_in_window(task_class, start)).all():
+            label = label_of(row.leaseOwner)
+            if row.failureCount == 0:  # only a fallback leaves a failure time and no count
+                new.fell_back()
+            else:
+                tally = new if side_of(level, label) == NEW else old
+                tally.failed_for_now(row.failureCount, label or PHD)
+    return Window(task_class, level, now - start, new.stats(), old.stats())
+
+
+def _count(new: _Tally, old: _Tally, level: str, row: Any) -> None:
+    """One archive row onto its side (a fallback onto both)."""
+    label = label_of(row.leaseOwner)
+    side = side_of(level, label)
+    shown = label or PHD  # Phorge's own taskmasters' owners carry no label
+    if side == FELL_BACK:
         new.fell_back()
-    return Window(task_class, level, seconds, new.stats(), old.stats())
+        old.archived(row.failureCount, row.result, row.duration, shown)
+    else:
+        tally = new if side == NEW else old
+        tally.archived(row.failureCount, row.result, row.duration, shown)
 
 
 @dataclass(frozen=True)
@@ -173,7 +203,9 @@ class Bounds:
 
     min_runs: int = 10
     min_failures: int = 3
-    max_drop: float = 0.02
+    max_drop: float = 0.01
+    significance: float = 1e-6
+    failure_limit: int = 3
     max_slowdown: float = 3.0
     slowdown_floor: float = 1.0  # a PHP runner's first, cold runs are 0.1-0.6 s slower
 
@@ -183,12 +215,11 @@ class Bounds:
             min_runs=settings.canary_min_runs,
             min_failures=settings.canary_min_failures,
             max_drop=settings.canary_max_drop,
+            significance=settings.canary_significance,
+            failure_limit=settings.canary_failure_limit,
             max_slowdown=settings.canary_max_slowdown,
             slowdown_floor=settings.canary_slowdown_floor,
         )
-
-
-_EPSILON = 1e-9  # 49 successes in 50 runs is 2 points below 100%, not more
 
 
 def _percent(ratio: float) -> str:
@@ -196,29 +227,34 @@ def _percent(ratio: float) -> str:
 
 
 def verdict(window: Window, bounds: Bounds) -> str | None:
-    """Why the new side must be rolled back, or None while it may go on.
+    """Why the new side must be rolled back on this evaluation, or None.
 
-    Only with a sample of at least ``min_runs`` new-side runs. It trips when, with at
-    least ``min_failures`` of them failed, the new side's success ratio is more than
-    ``max_drop`` below the old side's (taken as 1.0 while the old side has fewer than
-    ``min_runs`` runs), or when its median duration is more than ``max_slowdown`` times
-    the old side's (with ``min_runs`` old runs) and at least ``slowdown_floor`` s slower.
+    Only with at least ``min_runs`` new-side runs, ``min_failures`` of them failed. It
+    trips when the new side fails more often than the old side by more than
+    ``max_drop`` and Fisher's one-sided test puts the chance of an excess this large,
+    were both sides alike, below ``significance``; or when its median duration is more
+    than ``max_slowdown`` times the old side's (with ``min_runs`` old runs) and at least
+    ``slowdown_floor`` s slower. An old side with fewer than ``min_runs`` runs counts as
+    ``min_runs`` successes (the guard reads its longer history first, ``guard_once``).
     """
     new, old = window.new, window.old
     if new.runs < bounds.min_runs:
         return None
-    new_ratio = new.ratio or 0.0
-    old_ratio = old.ratio if old.runs >= bounds.min_runs and old.ratio is not None else 1.0
+    if old.runs < bounds.min_runs:
+        old = replace(old, runs=bounds.min_runs, successes=bounds.min_runs)
+    new_ratio, old_ratio = new.ratio or 0.0, old.ratio or 0.0
     reason = (
         f"new side success {_percent(new_ratio)} over {new.runs} runs, old side "
         f"{_percent(old_ratio)} over {old.runs} runs, window {window.seconds} s"
     )
-    if new.failures >= bounds.min_failures and old_ratio - new_ratio > bounds.max_drop + _EPSILON:
-        return reason
+    if new.failures >= bounds.min_failures and old_ratio - new_ratio > bounds.max_drop:
+        p = excess_failures_p(new.failures, new.runs, old.failures, old.runs)
+        if p < bounds.significance:
+            return f"{reason} (p = {p:.1e})"
     if (
         new.p50 is not None
         and old.p50 is not None
-        and old.runs >= bounds.min_runs
+        and window.old.runs >= bounds.min_runs
         and new.p50 > bounds.max_slowdown * old.p50
         and new.p50 - old.p50 >= bounds.slowdown_floor
     ):
@@ -227,6 +263,26 @@ def verdict(window: Window, bounds: Bounds) -> str | None:
             f"(more than {bounds.max_slowdown:g} times, and {bounds.slowdown_floor:g} s slower)"
         )
     return None
+
+
+@dataclass
+class Suspicions:
+    """How many consecutive evaluations each (class, level) was found worse in: one bad
+    evaluation is not a rollback (flapping protection, Argo Rollouts' ``failureLimit``).
+    Kept by the process that runs the guard: a guard in another process starts its own
+    count, which delays a rollback by at most ``failure_limit`` of its evaluations."""
+
+    limit: int
+    _seen: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def confirmed(self, task_class: str, level: str, reason: str | None) -> bool:
+        """Note this evaluation's verdict; True once ``limit`` in a row found it worse."""
+        key = (task_class, level)
+        if reason is None:
+            self._seen.pop(key, None)
+            return False
+        self._seen[key] = self._seen.get(key, 0) + 1
+        return self._seen[key] >= self.limit
 
 
 def guard_lock_name(owner_prefix: str) -> str:
@@ -298,11 +354,27 @@ def _ramp(store: CanaryStore, canary: Canary, task_class: str, level: str, now: 
     return f"step {task_class} ({level}) {weight:g}%"
 
 
-def guard_once(store: CanaryStore, engine: Engine, settings: Settings) -> list[str]:
-    """Judge every shared class once: roll back those the new side is worse for, and
-    move a quiet ramp to its next step. Returns what it did (``rollback C (level)``,
-    ``step C (level) 5%``); nothing but one read of the options when no class is shared,
-    or when another guard holds the lock."""
+def judged_window(
+    engine: Engine, task_class: str, level: str, seconds: int, settings: Settings
+) -> Window:
+    """The window the guard judges: the old side from its longer history
+    (``BRIDGE_CANARY_HISTORY``) when the window holds too few of its runs."""
+    window = read_window(engine, task_class, level, seconds, settings.canary_window_runs)
+    if window.old.runs >= settings.canary_min_runs or settings.canary_history <= seconds:
+        return window
+    history = read_window(
+        engine, task_class, level, settings.canary_history, settings.canary_window_runs
+    )
+    return replace(window, old=history.old)
+
+
+def guard_once(
+    store: CanaryStore, engine: Engine, settings: Settings, suspicions: Suspicions
+) -> list[str]:
+    """Judge every shared class once: roll back those the new side was found worse for
+    on ``failure_limit`` evaluations in a row, and move a quiet ramp to its next step.
+    Returns what it did (``rollback C (level)``, ``step C (level) 5%``); nothing but one
+    read of the options when no class is shared, or when another guard holds the lock."""
     if not store.read().partial():
         return []
     bounds = Bounds.from_settings(settings)
@@ -317,12 +389,13 @@ def guard_once(store: CanaryStore, engine: Engine, settings: Settings) -> list[s
             seconds = settings.canary_window
             if promoted is not None:
                 seconds = max(0, min(seconds, now - promoted))
-            window = read_window(engine, task_class, level, seconds, settings.canary_window_runs)
-            reason = verdict(window, bounds)
-            if reason is not None:
-                if _trip(store, task_class, level, now, reason):
+            reason = verdict(judged_window(engine, task_class, level, seconds, settings), bounds)
+            if suspicions.confirmed(task_class, level, reason):
+                if _trip(store, task_class, level, now, str(reason)):
                     made.append(f"rollback {task_class} ({level})")
                 continue
+            if reason is not None:
+                continue  # suspected: no ramp step meanwhile
             stepped = _ramp(store, canary, task_class, level, now)
             if stepped is not None:
                 made.append(stepped)

@@ -17,7 +17,6 @@ from sqlalchemy import (
     Table,
     Update,
     and_,
-    func,
     insert,
     literal,
     or_,
@@ -81,13 +80,13 @@ def update_option(table: Table, row_id: int, value_json: str) -> Update:
     )
 
 
-def pending_fallbacks(task_class: str, seconds: int) -> Select[Any]:
-    """``task_class``'s active rows that fell back in the last ``seconds`` and wait for
-    the old side (or run there now): ``failureTime`` set with no failure counted, which
-    only a fallback leaves (``key_failuretime``)."""
-    return select(func.count()).where(
-        active.c.failureTime >= db_now() - seconds,
-        active.c.failureCount == 0,
+def failed_in_window(task_class: str, since: int) -> Select[Any]:
+    """``task_class``'s active rows whose last failure came at ``since`` or later
+    (``key_failuretime``): a fallback waiting for the old side (a failure time with no
+    failure counted, which only a fallback leaves), or a temporary failure waiting for
+    its retry (``failureCount`` failures so far, by the side its owner names)."""
+    return select(active.c.leaseOwner, active.c.failureCount).where(
+        active.c.failureTime >= since,
         active.c.taskClass == task_class,
     )
 

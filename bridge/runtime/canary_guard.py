@@ -18,7 +18,7 @@ from typing import Any
 from celery import Celery, Task
 
 from bridge.assembly import runtime
-from bridge.canary.guard import guard_once
+from bridge.canary.guard import Suspicions, guard_once
 from bridge.canary.store import CanaryStore
 from bridge.errors import DatabaseUnavailable
 from bridge.queue.retry import is_transient
@@ -29,24 +29,27 @@ log = logging.getLogger(__name__)
 
 GUARD_ENTRY = "canary-guard"  # its name in beat's schedule
 
-_stores: dict[int, CanaryStore] = {}
+_judges: dict[int, tuple[CanaryStore, Suspicions]] = {}
 
 
-def store() -> CanaryStore:
-    """This process's store of the canary options (a fresh one in each forked child)."""
+def judge() -> tuple[CanaryStore, Suspicions]:
+    """This process's store of the canary options and its count of consecutive bad
+    evaluations (fresh ones in each forked child)."""
     pid = os.getpid()
-    if pid not in _stores:
+    if pid not in _judges:
         rt = runtime()
-        _stores.clear()
-        _stores[pid] = CanaryStore.for_settings(rt.queue.engine, rt.settings)
-    return _stores[pid]
+        _judges.clear()
+        store = CanaryStore.for_settings(rt.queue.engine, rt.settings)
+        _judges[pid] = (store, Suspicions(rt.settings.canary_failure_limit))
+    return _judges[pid]
 
 
 def canary_guard(self: Task[Any, Any]) -> list[str]:
     """Run the guard once; returns what it did (rollbacks, ramp steps)."""
     rt = runtime()
+    store, suspicions = judge()
     try:
-        return guard_once(store(), rt.queue.engine, rt.settings)
+        return guard_once(store, rt.queue.engine, rt.settings, suspicions)
     except Exception as exc:
         if not (isinstance(exc, DatabaseUnavailable) or is_transient(exc)):
             raise

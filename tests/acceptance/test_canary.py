@@ -51,12 +51,14 @@ HONOURED_WITHIN = 3
 # (b): the failing handler fails FAIL_PERCENT of its tasks (canary.fails_on_purpose). Its
 # tasks come FEED at a time every FEED_EVERY s (50 a second, about 10 of them native, 3
 # of those failing) until the rollback, at most FEED_CAP of them: the native side would
-# fail 52 of those without a guard. The guard judges from 10 runs and 3 failures, every
-# 0.5 s here; it must trip within TRIPPED_WITHIN failures, and FELL_BACK_AT_MOST may fall
-# back (the trip's and those the workers ran before they heard of it).
+# fail about 110 of those without a guard. The guard judges every 0.5 s here, and trips
+# when Fisher's test finds the excess significant (p < 1e-6: about 8 failures in 27
+# runs against an old side without one) on 3 evaluations in a row; it must trip within
+# TRIPPED_WITHIN failures, and FELL_BACK_AT_MOST may fall back (the trip's and those the
+# workers ran before they heard of it).
 FAIL_PERCENT = 30
-FEED, FEED_EVERY, FEED_CAP = 10, 0.2, 1000
-TRIPPED_WITHIN, FELL_BACK_AT_MOST = 8, 12
+FEED, FEED_EVERY, FEED_CAP = 10, 0.2, 2000
+TRIPPED_WITHIN, FELL_BACK_AT_MOST = 20, 26
 TRIP = re.compile(r"new side success ([\d.]+)% over (\d+) runs")
 
 
@@ -176,7 +178,7 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     assert tripped_at is not None
     [tripped] = [line for line in bridge.logs().splitlines() if "canary rollback:" in line]
     assert f"canary rollback: {CLASS} (native): new side success" in tripped
-    assert "old side 100.0%" in tripped and "window 300 s" in tripped
+    assert "old side 100.0%" in tripped and "window 300 s (p = " in tripped
     # What the guard counted when it tripped, against what the stream would have failed.
     stream = range(first[0], first[0] + FEED_CAP)
     would_fail = {i for i in new_side(NATIVE, 20, stream) if fails_on_purpose(i, FAIL_PERCENT)}

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from bridge.canary import store as store_module
-from bridge.canary.guard import guard_lock, guard_once
+from bridge.canary.guard import Suspicions, guard_lock, guard_once
 from bridge.canary.store import CanaryStore, CanaryView, config_database
 from bridge.canary.weights import (
     BRIDGE,
@@ -317,13 +317,15 @@ def archived(engine: sa.Engine, owner: str, first_id: int, count: int) -> None:
 def test_one_guard_at_a_time(store, mysql_engine):
     settings = load_settings({"BRIDGE_OWNER_PREFIX": f"g{secrets.token_hex(3)}"})
     store.set_weights({"C": {"native": 20}})
-    archived(mysql_engine, "bridge:native:1:1:h:1", 1, 10)
-    archived(mysql_engine, "bridge:runner-fallback:1:1:h:1", 100, 5)
+    archived(mysql_engine, "bridge:native:1:1:h:1", 1, 20)
+    archived(mysql_engine, "bridge:runner-fallback:1:1:h:1", 100, 10)
+    archived(mysql_engine, "bridge:runner:1:1:h:1", 200, 100)
     with guard_lock(store.engine, settings.owner_prefix) as now:
         assert now is not None
         with guard_lock(store.engine, settings.owner_prefix) as second:
             assert second is None
-        assert guard_once(store, store.engine, settings) == []  # another guard holds it
+        # another guard holds it
+        assert guard_once(store, store.engine, settings, Suspicions(1)) == []
     assert store.read().weight("C", NATIVE) == 2000
-    assert guard_once(store, store.engine, settings) == ["rollback C (native)"]
+    assert guard_once(store, store.engine, settings, Suspicions(1)) == ["rollback C (native)"]
     assert store.read().weight("C", NATIVE) == 0

@@ -12,7 +12,15 @@ import pytest
 import sqlalchemy as sa
 
 from bridge.canary import guard
-from bridge.canary.guard import Bounds, SideStats, Window, guard_once, read_window, verdict
+from bridge.canary.guard import (
+    Bounds,
+    SideStats,
+    Suspicions,
+    Window,
+    guard_once,
+    read_window,
+    verdict,
+)
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import BRIDGE, NATIVE, CanaryState, stored
 from bridge.config import load_settings
@@ -21,9 +29,8 @@ from bridge.queue.schema import metadata
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 
-BOUNDS = Bounds(
-    slowdown_floor=0.1
-)  # the defaults but the floor: 10 runs, 3 failures, 2 points, 3 times
+BOUNDS = Bounds(slowdown_floor=0.1)  # the defaults but the floor
+ONCE = replace(BOUNDS, failure_limit=1)
 
 
 def side(runs: int, failures: int, p50: float | None = 0.01) -> SideStats:
@@ -34,17 +41,18 @@ def window(new: SideStats, old: SideStats) -> Window:
     return Window("C", NATIVE, 300, new, old)
 
 
-def test_the_reason_names_both_ratios_and_the_window():
-    reason = verdict(window(side(20, 6), side(80, 0)), BOUNDS)
+def test_the_reason_names_both_ratios_the_window_and_the_chance():
+    reason = verdict(window(side(40, 12), side(160, 0)), BOUNDS)
     assert reason == (
-        "new side success 70.0% over 20 runs, old side 100.0% over 80 runs, window 300 s"
+        "new side success 70.0% over 40 runs, old side 100.0% over 160 runs, "
+        "window 300 s (p = 9.1e-10)"
     )
 
 
 @pytest.mark.parametrize(
     ("new", "old"),
     [
-        (side(3, 1), side(100, 0)),  # 1 failure in 3 runs
+        (side(3, 1), side(1000, 0)),  # 1 failure in 3 runs
         (side(9, 9), side(100, 0)),  # fewer runs than the minimum
         (side(10, 2), side(100, 0)),  # 80%, but fewer failures than the minimum
         (side(0, 0), side(0, 0)),
@@ -55,20 +63,29 @@ def test_no_verdict_without_a_sample(new, old):
     assert verdict(window(new, old), BOUNDS) is None
 
 
-def test_the_success_bound_is_strictly_more_than_max_drop():
-    assert verdict(window(side(150, 3), side(100, 0)), BOUNDS) is None  # 98.0%: 2 points
-    assert verdict(window(side(150, 4), side(100, 0)), BOUNDS) is not None  # 97.3%
-    # Against an old side that fails too: judged against its ratio.
-    assert verdict(window(side(100, 10), side(100, 9)), BOUNDS) is None
-    assert verdict(window(side(100, 12), side(100, 9)), BOUNDS) is not None
-    assert verdict(window(side(100, 12), side(100, 9)), replace(BOUNDS, max_drop=0.05)) is None
+def test_a_difference_must_be_significant_not_only_larger_than_the_bound():
+    # 30% failing against none: 6 of 20 could be luck (p 3e-5), 12 of 40 cannot.
+    assert verdict(window(side(20, 6), side(80, 0)), BOUNDS) is None
+    assert verdict(window(side(40, 12), side(160, 0)), BOUNDS) is not None
+    assert verdict(window(side(20, 6), side(80, 0)), replace(BOUNDS, significance=1e-4))
+    # Both failing 20%: a point estimate 5 points apart is no evidence.
+    assert verdict(window(side(100, 25), side(400, 80)), BOUNDS) is None
+    # 3% against 1% over thousands of runs is.
+    assert verdict(window(side(3000, 90), side(12000, 120)), BOUNDS) is not None
 
 
-def test_an_old_side_below_the_minimum_counts_as_a_hundred_percent():
-    # The old side's 60% over 5 runs is no sample: the new side's 90% is 10 points below 100.
-    reason = verdict(window(side(30, 3), side(5, 2)), BOUNDS)
-    assert reason is not None and "old side 100.0% over 5 runs" in reason
-    assert verdict(window(side(30, 3), side(100, 12)), BOUNDS) is None  # 90% vs 88%
+def test_a_significant_difference_must_also_exceed_the_practical_bound():
+    # 2.5% against 2.0% over a million runs each: real, but under the 1-point bound.
+    assert verdict(window(side(10**6, 25_000), side(10**6, 20_000)), BOUNDS) is None
+    assert verdict(window(side(10**6, 35_000), side(10**6, 20_000)), BOUNDS) is not None
+    wide = replace(BOUNDS, max_drop=0.02)
+    assert verdict(window(side(10**6, 35_000), side(10**6, 20_000)), wide) is None
+
+
+def test_an_old_side_below_the_minimum_counts_as_that_many_successes():
+    reason = verdict(window(side(30, 30), side(5, 2)), BOUNDS)
+    assert reason is not None and "old side 100.0% over 10 runs" in reason
+    assert verdict(window(side(30, 3), side(5, 2)), BOUNDS) is None
 
 
 def test_the_slowdown_bound_needs_both_the_factor_and_the_floor():
@@ -88,17 +105,28 @@ def test_the_slowdown_bound_needs_both_the_factor_and_the_floor():
     assert verdict(window(side(150, 3, p50=1.0), side(5, 0, p50=0.2)), BOUNDS) is None
 
 
+def test_a_rollback_needs_failure_limit_bad_evaluations_in_a_row():
+    suspicions = Suspicions(limit=3)
+    bad, good = "worse", None
+    assert [suspicions.confirmed("C", NATIVE, r) for r in (bad, bad, good, bad, bad)] == [False] * 5
+    assert suspicions.confirmed("C", NATIVE, bad)  # the third in a row
+    assert not suspicions.confirmed("D", NATIVE, bad), "each class counts its own"
+    assert not suspicions.confirmed("C", "bridge", bad), "and each level"
+
+
 def test_bounds_come_from_the_settings():
     settings = load_settings(
         {
             "BRIDGE_CANARY_MIN_RUNS": "20",
             "BRIDGE_CANARY_MIN_FAILURES": "5",
             "BRIDGE_CANARY_MAX_DROP": "0.1",
+            "BRIDGE_CANARY_SIGNIFICANCE": "0.001",
+            "BRIDGE_CANARY_FAILURE_LIMIT": "2",
             "BRIDGE_CANARY_MAX_SLOWDOWN": "2",
             "BRIDGE_CANARY_SLOWDOWN_FLOOR": "0.5",
         }
     )
-    assert Bounds.from_settings(settings) == Bounds(20, 5, 0.1, 2.0, 0.5)
+    assert Bounds.from_settings(settings) == Bounds(20, 5, 0.1, 0.001, 2, 2.0, 0.5)
     assert Bounds.from_settings(load_settings({})) == Bounds()
 
 
@@ -211,21 +239,83 @@ def test_percentiles_are_of_successful_runs_in_seconds(db):
 
 
 @pytest.mark.parametrize("page", [3, 1000])
-def test_each_side_counts_its_newest_max_runs(db, monkeypatch, page):
+def test_the_window_is_cut_for_both_sides_at_once(db, monkeypatch, page):
+    """Both sides over the same span: cut where the new side has ``max_runs`` runs (or
+    the old side four times that), so a busy old side does not judge a shorter span."""
     engine, _ = db
     monkeypatch.setattr(guard, "PAGE_ROWS", page)  # pages that split rows of one second
     archived(engine, owner("native"), count=10, duration_us=1_000_000, age=20)
+    archived(engine, owner("runner"), count=7, age=15)  # older than the cut: left out
     archived(engine, owner("native"), count=10, duration_us=1_000, age=10)
     archived(engine, owner("runner"), count=4, age=5)
     w = read_window(engine, "C", NATIVE, 300, 10)
     assert (w.new.runs, w.new.p99) == (10, 0.001)  # the newest ten only
-    assert w.old.runs == 4  # the other side is read on to the end of the window
+    assert w.old.runs == 4
+    assert 10 <= w.seconds <= 12, "the span judged, not the window asked for"
+    busy = read_window(engine, "C", NATIVE, 300, 1)  # the old side reaches its cap, 4, first
+    assert (busy.new.runs, busy.old.runs) == (0, 4)
+
+
+def failed_rows(engine: sa.Engine, owner: str | None, count: int, failures: int = 1) -> None:
+    """``count`` active rows of C that failed ``failures`` times, the last just now."""
+    now = int(time.time())
+    rows = [
+        {
+            "id": next(_ids),
+            "taskClass": "C",
+            "leaseOwner": owner,
+            "leaseExpires": now + 300,
+            "failureCount": failures,
+            "dataID": 1,
+            "failureTime": now,
+            "priority": 3000,
+            "dateCreated": now,
+            "dateModified": now,
+        }
+        for _ in range(count)
+    ]
+    with engine.begin() as conn:
+        conn.execute(sa.insert(active), rows)
+
+
+def test_a_temporary_failure_counts_when_it_happens_not_when_archived(db):
+    """The old side's retries wait (Phorge's 300 s): its failures count while they wait,
+    as the new side's fallbacks do, so an outage both sides share weighs on both."""
+    engine, _ = db
+    archived(engine, owner("native"), count=20)
+    archived(engine, owner("runner"), count=80)
+    failed_rows(engine, owner("runner"), 6, failures=2)  # waiting for their third run
+    failed_rows(engine, f"1:{int(time.time())}:web:1", 2)  # phd's, at the bridge level
+    fell_back_rows(engine, 5)
+    w = read_window(engine, "C", NATIVE, 300, 500)
+    assert (w.new.runs, w.new.fallbacks) == (25, 5)
+    assert (w.old.runs, w.old.temporary_failures) == (80 + 12 + 2, 14)
+    # The shared outage: 20% of either side fails.
+    assert verdict(w, BOUNDS) is None
+
+
+def test_an_old_side_with_few_runs_in_the_window_is_judged_by_its_history(db):
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights(WEIGHTS)
+    archived(engine, owner("runner"), count=200, age=5000)  # an hour and more ago
+    archived(engine, owner("native"), count=28)
+    fell_back_rows(engine, 12)
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
+    reason = store.read().state.of("C", NATIVE).reason or ""
+    assert "old side 100.0 percent over 200 runs" in reason
+    history = load_settings(
+        {"BRIDGE_DATABASE_URL": str(engine.url), "BRIDGE_CANARY_HISTORY": "300"}
+    )
+    store.set_weights({"C": {"native": 20}})
+    store.change_state(lambda s: s.with_promotion("C", NATIVE, int(time.time()) - 60, 20.0, "t"))
+    assert guard_once(store, engine, history, Suspicions(1)) == [], "10 successes: no proof"
 
 
 WEIGHTS = {"C": {"native": 20}, "Quiet": {"native": 20}}
 ERROR = (
-    "canary rollback: C (native): new side success 70.0% over 20 runs, "
-    "old side 100.0% over 80 runs, window 300 s"
+    "canary rollback: C (native): new side success 70.0% over 40 runs, "
+    "old side 100.0% over 160 runs, window 300 s (p = 9.1e-10)"
 )
 
 
@@ -233,12 +323,12 @@ def test_a_worse_new_side_is_rolled_back_with_one_error_line(db, caplog):
     engine, settings = db
     store = CanaryStore(engine, None)
     store.set_weights(WEIGHTS)
-    archived(engine, owner("native"), count=14)
-    archived(engine, owner("runner-fallback"), count=6)
-    archived(engine, owner("runner"), count=74)
+    archived(engine, owner("native"), count=28)
+    archived(engine, owner("runner-fallback"), count=12)
+    archived(engine, owner("runner"), count=148)
     archived(engine, owner("native"), count=20, task_class="Quiet")
     caplog.set_level(logging.INFO, logger="bridge.canary")
-    assert guard_once(store, engine, settings) == ["rollback C (native)"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
     errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in errors] == [ERROR]
     canary = store.read()
@@ -256,7 +346,7 @@ def test_a_worse_new_side_is_rolled_back_with_one_error_line(db, caplog):
     )
     # Rolled back, the class is no longer shared: the next guard leaves it alone.
     caplog.clear()
-    assert guard_once(store, engine, settings) == []
+    assert guard_once(store, engine, settings, Suspicions(1)) == []
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -266,8 +356,8 @@ def test_no_shared_class_is_one_read(db, monkeypatch):
     store.set_weights({"C": {"native": 100}, "*": {"bridge": 0}})
     monkeypatch.setattr(guard, "read_window", lambda *a: pytest.fail("read the archive"))
     monkeypatch.setattr(guard, "guard_lock", lambda *a: pytest.fail("took the lock"))
-    assert guard_once(store, engine, settings) == []
-    assert guard_once(CanaryStore(engine, None), engine, settings) == []
+    assert guard_once(store, engine, settings, Suspicions(1)) == []
+    assert guard_once(CanaryStore(engine, None), engine, settings, Suspicions(1)) == []
 
 
 RAMP = {"C": {"ramp": {"level": "native", "steps": [1, 5, 100], "dwell": 60}}}
@@ -291,15 +381,15 @@ def test_a_quiet_ramp_steps_after_each_dwell(db):
     store.set_weights(RAMP)
     assert store.read().weight("C", NATIVE) == 100
     # First sight: the step's dwell starts now; nothing moves.
-    assert guard_once(store, engine, settings) == []
+    assert guard_once(store, engine, settings, Suspicions(1)) == []
     first = store.read().state.of("C", NATIVE)
     assert first.step == 0 and first.step_since is not None
     assert store.read().state.history == ()
-    assert guard_once(store, engine, settings) == []  # held 0 s of 60
+    assert guard_once(store, engine, settings, Suspicions(1)) == []  # held 0 s of 60
     backdate(store, 59)
-    assert guard_once(store, engine, settings) == []
+    assert guard_once(store, engine, settings, Suspicions(1)) == []
     backdate(store, 1)
-    assert guard_once(store, engine, settings) == ["step C (native) 5%"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (native) 5%"]
     canary = store.read()
     assert canary.weight("C", NATIVE) == 500
     stepped = canary.state.of("C", NATIVE)
@@ -307,22 +397,23 @@ def test_a_quiet_ramp_steps_after_each_dwell(db):
     assert stepped.step_since >= first.step_since  # the new step's dwell starts now
     assert [(e.event, e.weight) for e in canary.state.history] == [("step", 5.0)]
     backdate(store, 60)
-    assert guard_once(store, engine, settings) == ["step C (native) 100%"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (native) 100%"]
     assert store.read().weight("C", NATIVE) == 10_000
     # At 100% the class is no longer shared: the ramp is done.
     backdate(store, 600)
-    assert guard_once(store, engine, settings) == []
+    assert guard_once(store, engine, settings, Suspicions(1)) == []
 
 
 def test_a_ramp_with_a_bad_new_side_is_rolled_back_not_stepped(db):
     engine, settings = db
     store = CanaryStore(engine, None)
     store.set_weights(RAMP)
-    assert guard_once(store, engine, settings) == []
+    assert guard_once(store, engine, settings, Suspicions(1)) == []
     backdate(store, 600)
-    archived(engine, owner("native"), count=10)
-    archived(engine, owner("runner-fallback"), count=5)
-    assert guard_once(store, engine, settings) == ["rollback C (native)"]
+    archived(engine, owner("native"), count=20)
+    archived(engine, owner("runner-fallback"), count=10)
+    archived(engine, owner("runner"), count=90)
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
     canary = store.read()
     assert canary.weight("C", NATIVE) == 0
     assert [e.event for e in canary.state.history] == ["rollback"]
@@ -352,12 +443,13 @@ def fell_back_rows(engine: sa.Engine, count: int, task_class: str = "C") -> None
 
 def test_fallbacks_waiting_for_the_old_side_count_as_new_side_failures(db):
     engine, _settings = db
-    archived(engine, owner("native"), count=7)
-    fell_back_rows(engine, 3)  # phd has a backlog: not archived yet
+    archived(engine, owner("native"), count=20)
+    archived(engine, owner("runner"), count=100)
+    fell_back_rows(engine, 10)  # phd has a backlog: not archived yet
     fell_back_rows(engine, 5, task_class="Other")
     w = read_window(engine, "C", NATIVE, 300, 100)
-    assert (w.new.runs, w.new.successes, w.new.fallbacks) == (10, 7, 3)
-    assert w.old.runs == 0  # the old side has not run them yet
+    assert (w.new.runs, w.new.successes, w.new.fallbacks) == (30, 20, 10)
+    assert w.old.runs == 100  # the old side has not run them yet
     assert verdict(w, BOUNDS) is not None
 
 
@@ -365,14 +457,16 @@ def test_after_a_promotion_only_newer_runs_are_judged(db):
     engine, settings = db
     store = CanaryStore(engine, None)
     store.set_weights(WEIGHTS)
-    archived(engine, owner("native"), count=14, age=30)
-    archived(engine, owner("runner-fallback"), count=6, age=30)
-    assert guard_once(store, engine, settings) == ["rollback C (native)"]
+    archived(engine, owner("native"), count=28, age=30)
+    archived(engine, owner("runner-fallback"), count=12, age=30)
+    archived(engine, owner("runner"), count=148, age=30)
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
     now = int(time.time())
     store.change_state(lambda s: s.with_promotion("C", NATIVE, now, 20.0, "fixed"))
     # The failures that made the rollback are older than the promotion: no new trip.
-    assert guard_once(store, engine, settings) == []
+    assert guard_once(store, engine, settings, Suspicions(1)) == []
     assert store.read().weight("C", NATIVE) == 2000
-    archived(engine, owner("native"), count=7)
-    archived(engine, owner("runner-fallback"), count=3)
-    assert guard_once(store, engine, settings) == ["rollback C (native)"]
+    archived(engine, owner("native"), count=28)
+    archived(engine, owner("runner-fallback"), count=12)
+    archived(engine, owner("runner"), count=148)
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]

@@ -107,6 +107,9 @@ ACCEPTED = [
     ("BRIDGE_CANARY_MIN_RUNS", "20", "canary_min_runs", 20),
     ("BRIDGE_CANARY_MIN_FAILURES", "5", "canary_min_failures", 5),
     ("BRIDGE_CANARY_MAX_DROP", "0.05", "canary_max_drop", 0.05),
+    ("BRIDGE_CANARY_SIGNIFICANCE", "0.001", "canary_significance", 0.001),
+    ("BRIDGE_CANARY_FAILURE_LIMIT", "5", "canary_failure_limit", 5),
+    ("BRIDGE_CANARY_HISTORY", "3600", "canary_history", 3600),
     ("BRIDGE_CANARY_MAX_SLOWDOWN", "1", "canary_max_slowdown", 1.0),
     ("BRIDGE_CANARY_SLOWDOWN_FLOOR", "0.5", "canary_slowdown_floor", 0.5),
 ]
@@ -197,6 +200,8 @@ REFUSED = [
     ({"BRIDGE_CANARY_MIN_RUNS": "-1"}, "BRIDGE_CANARY_MIN_RUNS", "positive"),
     ({"BRIDGE_CANARY_MIN_FAILURES": "1.5"}, "BRIDGE_CANARY_MIN_FAILURES", "positive"),
     ({"BRIDGE_CANARY_MAX_DROP": "2%"}, "BRIDGE_CANARY_MAX_DROP", "0 to 1"),
+    ({"BRIDGE_CANARY_SIGNIFICANCE": "0"}, "BRIDGE_CANARY_SIGNIFICANCE", "between 0 and 1"),
+    ({"BRIDGE_CANARY_FAILURE_LIMIT": "0"}, "BRIDGE_CANARY_FAILURE_LIMIT", "positive"),
     ({"BRIDGE_CANARY_MAX_SLOWDOWN": "0.5"}, "BRIDGE_CANARY_MAX_SLOWDOWN", "at least 1"),
     ({"BRIDGE_CANARY_SLOWDOWN_FLOOR": "-1"}, "BRIDGE_CANARY_SLOWDOWN_FLOOR", "positive"),
 ]
