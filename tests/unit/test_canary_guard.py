@@ -256,28 +256,6 @@ def test_the_window_is_cut_for_both_sides_at_once(db, monkeypatch, page):
     assert (busy.new.runs, busy.old.runs) == (0, 4)
 
 
-def failed_rows(engine: sa.Engine, owner: str | None, count: int, failures: int = 1) -> None:
-    """``count`` active rows of C that failed ``failures`` times, the last just now."""
-    now = int(time.time())
-    rows = [
-        {
-            "id": next(_ids),
-            "taskClass": "C",
-            "leaseOwner": owner,
-            "leaseExpires": now + 300,
-            "failureCount": failures,
-            "dataID": 1,
-            "failureTime": now,
-            "priority": 3000,
-            "dateCreated": now,
-            "dateModified": now,
-        }
-        for _ in range(count)
-    ]
-    with engine.begin() as conn:
-        conn.execute(sa.insert(active), rows)
-
-
 def test_a_temporary_failure_counts_when_it_happens_not_when_archived(db):
     """The old side's retries wait (Phorge's 300 s): its failures count while they wait,
     as the new side's fallbacks do, so an outage both sides share weighs on both."""
@@ -419,16 +397,23 @@ def test_a_ramp_with_a_bad_new_side_is_rolled_back_not_stepped(db):
     assert [e.event for e in canary.state.history] == ["rollback"]
 
 
-def fell_back_rows(engine: sa.Engine, count: int, task_class: str = "C") -> None:
-    """``count`` active rows a new side gave back: failureTime set, no failure counted."""
+def failed_rows(
+    engine: sa.Engine,
+    owner: str | None,
+    count: int,
+    failures: int = 1,
+    task_class: str = "C",
+) -> None:
+    """``count`` active rows of ``task_class`` that failed ``failures`` times, the last
+    just now (0: a new side gave them back, which leaves a failure time and no count)."""
     now = int(time.time())
     rows = [
         {
             "id": next(_ids),
             "taskClass": task_class,
-            "leaseOwner": None,
-            "leaseExpires": None,
-            "failureCount": 0,
+            "leaseOwner": owner,
+            "leaseExpires": now + 300 if owner else None,
+            "failureCount": failures,
             "dataID": 1,
             "failureTime": now,
             "priority": 3000,
@@ -439,6 +424,10 @@ def fell_back_rows(engine: sa.Engine, count: int, task_class: str = "C") -> None
     ]
     with engine.begin() as conn:
         conn.execute(sa.insert(active), rows)
+
+
+def fell_back_rows(engine: sa.Engine, count: int, task_class: str = "C") -> None:
+    failed_rows(engine, None, count, failures=0, task_class=task_class)
 
 
 def test_fallbacks_waiting_for_the_old_side_count_as_new_side_failures(db):
