@@ -533,6 +533,13 @@ class Settings:
         "a file a deploy touches (`touch` it after new Phorge code is in place): PHP runner "
         "processes older than it are replaced before their next task",
     )
+    canary: bool = setting(
+        "BRIDGE_CANARY",
+        "true",
+        _boolean,
+        "read the gray migration's weights from Phorge's config table; false: every class "
+        "wholly on the bridge, the table never read (an account not granted it)",
+    )
     canary_database: str | None = setting(
         "BRIDGE_CANARY_DATABASE",
         "",

@@ -29,6 +29,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from bridge.canary import sql
 from bridge.canary.weights import (
+    CLOSED,
     NO_CANARY,
     OPTION,
     STATE_OPTION,
@@ -266,12 +267,17 @@ class CanaryStore:
 
 class CanaryView:
     """The canary as a worker, a poll or a beat sees it: read at most every ``refresh``
-    seconds; on a read error, said once, the last good value stays (NO_CANARY at first)."""
+    seconds. It fails closed: while the options cannot be read (a lost grant, a database
+    that does not answer), the last good canary runs :meth:`~Canary.closed` (and
+    :data:`CLOSED` before any good read), so a rollback written meanwhile is never run
+    past; refused values (an operator's typo) keep the last good ones in force. Each
+    problem is logged once, as PHP's ``PhorgeBridgeCanary::refresh()`` does."""
 
     def __init__(self, store: CanaryStore, refresh: float) -> None:
         self.store = store
         self.refresh = refresh
-        self._value: Canary = NO_CANARY
+        self._good: Canary = CLOSED  # the last canary read and accepted
+        self._value: Canary = CLOSED
         self._read_at: float | None = None
         self._reads = 0  # how many reads were made: a thread that waited reads no more
         self._problem: str | None = None
@@ -295,21 +301,37 @@ class CanaryView:
     def _reread(self) -> None:
         try:
             value = self.store.read()
+        except ConfigError as exc:
+            self._value = self._good
+            self._said(exc, logging.ERROR, "keeping the last good ones")
         except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-            if problem != self._problem:
-                level = logging.ERROR if isinstance(exc, ConfigError) else logging.WARNING
-                log.log(
-                    level,
-                    "canary: cannot read the weights from %s, keeping the last ones: %s",
-                    self.store.table_name,
-                    problem,
-                )
-            self._problem = problem
+            never = self._good is CLOSED
+            self._value = self._good.closed()
+            self._said(
+                exc,
+                logging.ERROR if never else logging.WARNING,
+                "never read: no task runs here until they are read (the bridge's account "
+                "needs SELECT on the table, or BRIDGE_CANARY=false)"
+                if never
+                else "no task of a shared class runs on the new side until they are read again",
+            )
         else:
             if self._problem is not None:
                 log.info("canary: the weights in %s are readable again", self.store.table_name)
             self._problem = None
-            self._value = value
+            self._good = self._value = value
         self._read_at = time.monotonic()
         self._reads += 1
+
+    def _said(self, exc: Exception, level: int, meanwhile: str) -> None:
+        """Log ``exc`` once (until another problem, or a good read)."""
+        problem = f"{type(exc).__name__}: {exc}"
+        if problem != self._problem:
+            log.log(
+                level,
+                "canary: cannot read the weights from %s, %s: %s",
+                self.store.table_name,
+                meanwhile,
+                problem,
+            )
+        self._problem = problem

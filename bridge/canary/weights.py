@@ -374,6 +374,26 @@ class Canary:
         return shared
 
     @property
+    def active(self) -> bool:
+        """Whether any weight or state is in force: without, a task pays no canary test."""
+        return bool(self.weights or self.state.levels)
+
+    def closed(self) -> Canary:
+        """The canary as a process runs it while it cannot read the options: the new side
+        of every class shared at a level (0 < weight < 100, a ramp's step included) runs
+        none of it there; classes wholly on one side, and rollbacks, stay as they were."""
+
+        def shut(name: str, level: str) -> int:
+            weight = self.weight(name, level)
+            return 0 if 0 < weight < SCALE else weight
+
+        weights = {
+            name: ClassWeights(bridge=shut(name, BRIDGE), native=shut(name, NATIVE))
+            for name in self.weights
+        }
+        return Canary(weights, self.state)
+
+    @property
     def named(self) -> list[str]:
         """The classes the option or the state names."""
         names = {n for n in self.weights if n != DEFAULT}
@@ -381,6 +401,8 @@ class Canary:
 
 
 NO_CANARY = Canary()
+# Before any read: no class runs on the new side of either level, since any may be shared.
+CLOSED = Canary({DEFAULT: ClassWeights(bridge=0, native=0)})
 
 
 def canary_of(weights: Any, state: Any) -> Canary:

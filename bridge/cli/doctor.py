@@ -504,6 +504,8 @@ def check_canary(doctor: Doctor) -> Check:
     are shared, and those the guard or an operator rolled back."""
     doctor.require("database")
     assert doctor.settings is not None
+    if not doctor.settings.canary:
+        return Check("canary", "ok", "off (BRIDGE_CANARY=false): every class wholly on the bridge")
     engine = doctor.queue.engine
     store = CanaryStore.for_settings(engine, doctor.settings, warn_missing=False)
     try:
@@ -521,8 +523,9 @@ def check_canary(doctor: Doctor) -> Check:
             )
         return Check(
             "canary",
-            "warn",
-            f"weights unknown, so every class runs wholly on the bridge: {problem}",
+            "fail",
+            "weights unknown, so the bridge runs no class that may be shared (none before "
+            f"a first good read; BRIDGE_CANARY=false if no class ever is): {problem}",
         )
     if values is None:
         return Check(

@@ -61,5 +61,7 @@ def open_runtime(settings: Settings, registry: Registry) -> Runtime:
     if queue.engine.dialect.name == "sqlite":
         # The embedded default starts from nothing; Phorge's MySQL tables are Phorge's.
         queue.create_tables()
+    if not settings.canary:
+        return Runtime(settings, queue, registry)  # BRIDGE_CANARY=false: no canary at all
     view = CanaryView(CanaryStore.for_settings(queue.engine, settings), settings.canary_refresh)
     return Runtime(settings, queue, registry, view)

@@ -141,7 +141,7 @@ def poll_once(rt: Runtime, send: Send, elsewhere: RunsElsewhere | None = None) -
         by_queue = plan(rt, elsewhere)
         canary = rt.canary.current()
         shares: dict[str, int] = {}
-        if canary.weights or canary.state.levels:
+        if canary.active:
             by_queue, shares = bridge_shares(canary, by_queue)
         served = [c for classes in by_queue.values() for c in classes]
         # An idle queue (the usual case between bursts) skips the capacity count.

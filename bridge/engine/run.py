@@ -124,7 +124,7 @@ def choose(
     the native level, a natively served class runs natively only for the new side's share,
     else on the PHP transport the class would have without its native handler."""
     handler = registry.handler_for(task_class)
-    if handler is None or not (canary.weights or canary.state.levels):
+    if handler is None or not canary.active:
         return Choice(handler)  # no canary: not a cost a task pays
     fallback_to = None
     if canary.weight(task_class, BRIDGE) < SCALE:

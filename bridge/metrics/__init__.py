@@ -75,6 +75,12 @@ LAST_POLL = Gauge(
     "Unix time the last poll that did not fail ended (beat sends one each poll interval)",
     multiprocess_mode="max",
 )
+GUARD_JUDGED = Gauge(
+    "phorge_bridge_canary_guard_last_run_timestamp_seconds",
+    "Unix time the canary guard last judged every shared class (beat sends it each "
+    "BRIDGE_CANARY_GUARD_INTERVAL); stale while it fails or its worker is gone",
+    multiprocess_mode="max",
+)
 WRITES_REFUSED = Gauge(
     "phorge_bridge_database_writes_refused",
     "1 while the database refuses this worker's writes (read-only, full): no task starts",

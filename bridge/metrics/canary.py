@@ -5,25 +5,38 @@ window (Phorge's archive, so the phd side is counted too, not only the bridge's 
 Served beside the queue's gauges (``bridge.runtime.lifecycle``): every worker that
 serves metrics reads the same rows, hence ``max by`` over workers in the shipped rules
 and dashboard. Without a canary (neither option set, or no class named) it yields
-nothing and reads no archive row: one read of the two option rows a scrape.
+nothing and reads no archive row: one read of the two option rows a scrape. The
+rolled-back gauge is the state row's alone: it stays while the operator's weights are
+refused, so its alert does not resolve while the class is still rolled back.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from bridge.canary.guard import read_window
-from bridge.canary.store import CanaryStore
-from bridge.canary.weights import LEVELS, NEW, OLD, Canary, percent
+from bridge.canary.store import CanaryStore, decode_state, decode_weights
+from bridge.canary.weights import (
+    LEVELS,
+    NEW,
+    OLD,
+    OPTION,
+    STATE_OPTION,
+    Canary,
+    parse_weights,
+    percent,
+)
 from bridge.config import Settings
 from bridge.errors import ConfigError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WEIGHT = "phorge_bridge_canary_weight"
 ROLLED_BACK = "phorge_bridge_canary_rolled_back"
@@ -57,7 +70,8 @@ class CanaryCollector:
         ``window_runs`` are the guard's (``BRIDGE_CANARY_WINDOW``, ``_WINDOW_RUNS``)."""
         self.store, self.engine = store, engine
         self.window, self.window_runs = window, window_runs
-        self._refused: str | None = None
+        self._refused: set[str] = set()  # the problems the last scrape logged
+        self._refusing: set[str] = set()
 
     @classmethod
     def for_settings(cls, engine: Engine, settings: Settings) -> CanaryCollector:
@@ -65,39 +79,57 @@ class CanaryCollector:
         return cls(store, engine, settings.canary_window, settings.canary_window_runs)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        canary = self._read()
-        if canary is None or not canary.named:
+        self._refusing = set()
+        values = self._said(lambda: self.store.read_values() or {})
+        state = weights = None
+        if values is not None:
+            state = self._said(lambda: decode_state(values.get(STATE_OPTION)))
+            weights = self._said(lambda: parse_weights(decode_weights(values.get(OPTION))))
+        self._refused, self._refusing = self._refusing, set()
+        if state is None:
+            return  # nothing is known of the rollbacks
+        if weights is None:
+            if state.levels:  # the rollbacks are the state's, whatever the weights say
+                yield self.rolled_back(Canary(state=state))
             return
-        yield from self.weights(canary)
-        yield from self.sides(watched(canary))
+        canary = Canary(weights, state)
+        if canary.named:
+            yield self.weight(canary)
+            yield self.rolled_back(canary)
+            yield from self.sides(watched(canary))
 
-    def _read(self) -> Canary | None:
-        """The canary now; None (logged once per message) while the operator's weights
-        are refused, or Phorge's config table cannot be read (``{namespace}_config`` is
-        another database, which the bridge's user may not be granted): the canary must
-        not cost the scrape every other figure."""
+    def _said(self, read: Callable[[], T]) -> T | None:
+        """``read()``; None (logged once, until it reads again) while Phorge's config
+        table cannot be read (``{namespace}_config`` is another database, which the
+        bridge's user may not be granted) or a value is refused: the canary must not
+        cost the scrape every other figure."""
         try:
-            canary = self.store.read()
+            return read()
         except (ConfigError, ValueError, DBAPIError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
-            if problem != self._refused:
-                self._refused = problem
+            if problem not in self._refused:
                 log.warning(
-                    "canary metrics: not served, %s cannot be read: %s",
+                    "canary metrics: not all served, %s cannot be read: %s",
                     self.store.table_name,
                     problem,
                 )
+            self._refusing.add(problem)
             return None
-        self._refused = None
-        return canary
 
-    def weights(self, canary: Canary) -> Iterator[GaugeMetricFamily]:
+    def weight(self, canary: Canary) -> GaugeMetricFamily:
         weight = GaugeMetricFamily(
             WEIGHT,
             "Percent of the class's tasks the new side of the level runs (bridge: the "
             "bridge, not phd; native: a native handler, not PHP), after ramp and rollback",
             labels=["task_class", "level"],
         )
+        for task_class in canary.named:
+            for level in LEVELS:
+                weight.add_metric([task_class, level], percent(canary.weight(task_class, level)))
+        return weight
+
+    def rolled_back(self, canary: Canary) -> GaugeMetricFamily:
+        """From the state row alone, whether or not the weights are readable."""
         rolled_back = GaugeMetricFamily(
             ROLLED_BACK,
             "1 while the class is rolled back at the level (weight 0 until "
@@ -106,12 +138,9 @@ class CanaryCollector:
         )
         for task_class in canary.named:
             for level in LEVELS:
-                bp = canary.weight(task_class, level)
-                weight.add_metric([task_class, level], percent(bp))
                 state = canary.state.of(task_class, level)
                 rolled_back.add_metric([task_class, level], int(state.rolled_back))
-        yield weight
-        yield rolled_back
+        return rolled_back
 
     def sides(self, pairs: list[tuple[str, str]]) -> Iterator[GaugeMetricFamily]:
         """Each side's runs of the guard's window, from Phorge's archive."""

@@ -6,7 +6,9 @@ lock (``bridge.runtime.beat``), and the guard itself runs under a database lock 
 own, so two beats or two control workers never judge a class twice. While no class is
 shared it reads the two options and stops. Like the poll, it shows in no task event and
 Celery's INFO lines about it are dropped (``quiet_polls``): one a second would fill
-Flower and the log; its rollbacks log their own ERROR line.
+Flower and the log; its rollbacks log their own ERROR line. Each judgement that ends sets
+``phorge_bridge_canary_guard_last_run_timestamp_seconds``: the alert
+PhorgeBridgeCanaryGuardStopped fires when it goes stale while a class is shared.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from bridge.assembly import runtime
 from bridge.canary.guard import Suspicions, guard_once
 from bridge.canary.store import CanaryStore
 from bridge.errors import DatabaseUnavailable
+from bridge.metrics import GUARD_JUDGED
 from bridge.queue.retry import is_transient
 from bridge.runtime.quiet_polls import QuietTask
 from bridge.runtime.tasks import GUARD_TASK
@@ -49,12 +52,14 @@ def canary_guard(self: Task[Any, Any]) -> list[str]:
     rt = runtime()
     store, suspicions = judge()
     try:
-        return guard_once(store, rt.queue.engine, rt.settings, suspicions)
+        done = guard_once(store, rt.queue.engine, rt.settings, suspicions)
     except Exception as exc:
         if not (isinstance(exc, DatabaseUnavailable) or is_transient(exc)):
             raise
         log.warning("canary guard skipped: database unavailable: %s", exc)
         return []
+    GUARD_JUDGED.set_to_current_time()
+    return done
 
 
 def install(app: Celery) -> None:

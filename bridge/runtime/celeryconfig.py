@@ -75,16 +75,17 @@ beat_schedule = {
         # the worker's. Redis ignores it: there a stale poll costs one poll.
         "options": {"expiration": 10 * _settings.poll_interval},
     },
+}
+if _settings.canary:
     # The gray migration's guard (bridge.canary.guard): one read of the weights while no
     # class is shared. Sent, like the polls, only by the beat holding the beat lock. The
     # polls' TTL: RabbitMQ drops an expired message only at the head of the queue, so a
     # longer-lived guard ahead of them would keep every poll behind it waiting.
-    "canary-guard": {
+    beat_schedule["canary-guard"] = {
         "task": "bridge.canary_guard",
         "schedule": _settings.canary_guard_interval,
         "options": {"expiration": 10 * _settings.poll_interval},
-    },
-}
+    }
 
 worker_send_task_events = _settings.task_events
 task_send_sent_event = _settings.task_events

@@ -21,6 +21,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 from celery.worker import state
+from prometheus_client.registry import Collector
 
 from bridge.assembly import check_canary, runtime
 from bridge.config import current_settings
@@ -88,12 +89,13 @@ def start_metrics(app: Celery) -> None:
         queue_figures = QueueCollector(
             rt.queue, rt.registry, settings.router, settings.owner_prefix, fleet=watch.served
         )
-        collectors = (
+        collectors: list[Collector] = [
             ProcessesCollector(os.environ[MULTIPROC_DIR]),  # set by count_in_children
             queue_figures,
             ConsumersCollector(watch),
-            CanaryCollector.for_settings(rt.queue.engine, settings),
-        )
+        ]
+        if settings.canary:
+            collectors.append(CanaryCollector.for_settings(rt.queue.engine, settings))
         try:
             port = serve(ports, address, *collectors)
         except OSError as exc:

@@ -21,9 +21,11 @@
  *
  * The options are read from the table itself, not through PhabricatorEnv (a
  * process reads its configuration once), at most once a second: a rollback the
- * bridge writes reaches a running daemon within about a second. A value that
- * can not be read is logged once and the last good one stays in force (none
- * at all at the first read: no canary).
+ * bridge writes reaches a running daemon within about a second. It fails
+ * closed: while the table can not be read, no task of a shared class runs on
+ * the new side (newClosed()); a bad value is logged once and the last good one
+ * stays in force. Before any good read there are no weights, so the shipped
+ * daemon leases nothing, as the bridge leases nothing then.
  *
  * Installed with the other extension files by "phorge-bridge phorge
  * install-extension"; do not edit the installed copy. Written for PHP 7.2
@@ -73,6 +75,9 @@ final class PhorgeBridgeCanary {
   private $readAt = null;
   private $accepted = array();
   private $rejected = array();
+
+  // Whether the last read of the config table failed (refresh()).
+  private $unreadable = false;
 
 
 /* -(  The choice  )--------------------------------------------------------- */
@@ -269,36 +274,67 @@ final class PhorgeBridgeCanary {
 
 
   /**
-   * This canary, re-read from the config table if the last read is older
-   * than a second. Never throws: a database error or a bad value is logged
-   * and the values in force stay.
+   * The canary in force, re-read from the config table if the last read is
+   * older than a second. Never throws. It fails closed: while the table can
+   * not be read, the last good values run as newClosed() says (logged once);
+   * a bad value is logged once and the last good one stays.
    */
   public function refresh() {
     $now = microtime(true);
     if ($this->readAt !== null &&
         $now >= $this->readAt &&
         $now - $this->readAt < self::REFRESH_SECONDS) {
-      return $this;
+      return $this->getInForce();
     }
     $this->readAt = $now;
 
     try {
       $raw = self::readOptions();
     } catch (Throwable $ex) {
-      phlog(
-        new Exception(
-          pht(
-            'phorge-bridge: can not read "%s" from the config table; the '.
-            'canary weights in force stay.',
-            self::OPTION),
-          0,
-          $ex));
-      return $this;
+      if (!$this->unreadable) {
+        phlog(
+          new Exception(
+            pht(
+              'phorge-bridge: can not read "%s" from the config table; no '.
+              'task of a shared class runs on the new side until it is read '.
+              'again.',
+              self::OPTION),
+            0,
+            $ex));
+      }
+      $this->unreadable = true;
+      return $this->getInForce();
     }
 
+    $this->unreadable = false;
     $this->accept(self::OPTION, idx($raw, self::OPTION));
     $this->accept(self::STATE_OPTION, idx($raw, self::STATE_OPTION));
     return $this;
+  }
+
+  private function getInForce() {
+    return $this->unreadable ? $this->newClosed() : $this;
+  }
+
+  /**
+   * This canary as it runs while the options can not be read: the new side of
+   * every class shared at a level (0 < weight < 100, a ramp's step included)
+   * runs none of it there; classes wholly on one side, and rollbacks, stay as
+   * they were. The bridge's Canary.closed() is its twin.
+   */
+  public function newClosed() {
+    $closed = new self();
+    $closed->state = $this->state;
+    foreach ($this->weights as $name => $ignored) {
+      $entry = array('ramp' => null);
+      foreach (array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE) as $level) {
+        $weight = $this->getWeight((string)$name, $level);
+        $shared = ($weight > 0 && $weight < self::SCALE);
+        $entry[$level] = $shared ? 0 : $weight;
+      }
+      $closed->weights[$name] = $entry;
+    }
+    return $closed;
   }
 
   private function accept($option, $raw) {

@@ -13,7 +13,8 @@ PHP runner on the stand-in Phorge as the old side, the weights in the test datab
     mid-ramp.
 
 And a worker with no PHP path for a class it serves natively refuses a native weight below
-100 at start.
+100 at start; a worker that cannot read the weights runs no task on the native side; a
+killed guard is alerted, and its rollback stays in sight.
 
 Every wait is on a condition; none starts before the workers are ready.
 """
@@ -21,18 +22,22 @@ Every wait is on a condition; none starts before the workers are ready.
 from __future__ import annotations
 
 import re
+import secrets
 import signal
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import canary
+import pytest
 import requests
 from bridge_harness import Bridge, wait_until, write_plugin
-from canary import fails_on_purpose, new_side, read, rolled_back, set_weights
+from canary import fails_on_purpose, new_side, read, roll_back, rolled_back, set_weights
 from local_ports import free_port
 from php_standin import STANDIN_ROOT, php_binary
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import Engine, make_url
 
 from bridge.canary.guard import read_window
 from bridge.canary.weights import NATIVE, label_of
@@ -60,6 +65,7 @@ FAIL_PERCENT = 30
 FEED, FEED_EVERY, FEED_CAP = 10, 0.2, 2000
 TRIPPED_WITHIN, FELL_BACK_AT_MOST = 20, 26
 TRIP = re.compile(r"new side success ([\d.]+)% over (\d+) runs")
+WORKER_TABLES = ("worker_activetask", "worker_archivetask", "worker_taskdata", "lisk_counter")
 
 
 def deployment(make_bridge: Any, database_url: str, broker_url: str) -> Bridge:
@@ -341,3 +347,87 @@ def test_a_native_weight_the_worker_cannot_honour_stops_it_at_start(
     [line] = [line for line in worker.log().splitlines() if line.startswith("Error: ")]
     assert line.startswith(f"Error: configuration error: phorge-bridge.canary: {CLASS}: ")
     assert "needs a PHP path" in line
+
+
+@pytest.fixture
+def worker_tables_account(database_url: str, mysql_server: Engine) -> Iterator[str]:
+    """A database URL on an account granted Phorge's worker tables and not the config
+    table beside them: a worker whose grant on ``config_entry`` was revoked."""
+    name = f"nocfg_{secrets.token_hex(4)}"
+    url = make_url(database_url)
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"CREATE USER '{name}'@'127.0.0.1' IDENTIFIED BY 'rw'")
+        for table in WORKER_TABLES:
+            conn.exec_driver_sql(
+                f"GRANT SELECT, INSERT, UPDATE, DELETE ON `{url.database}`.{table} "
+                f"TO '{name}'@'127.0.0.1'"
+            )
+    yield url.set(username=name, password="rw").render_as_string(hide_password=False)
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"DROP USER '{name}'@'127.0.0.1'")
+
+
+def test_a_worker_that_cannot_read_the_weights_runs_no_new_side_task(
+    make_bridge, database_url, amqp_url, worker_tables_account
+):
+    """Half the class is the native side's. Of two workers on its queue, one cannot read
+    the weights: it never knew them, so it runs none of its tasks and hands them back
+    (no failure counted), saying why once; the other runs them all, each side its share."""
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 50}})
+    blind = bridge.worker(
+        "blind", [bridge.default_queue], env={"BRIDGE_DATABASE_URL": worker_tables_account}
+    )
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
+    bridge.beat()
+    bridge.wait_ready(blind)
+    bridge.wait_ready(worker)
+
+    ids = bridge.enqueue(CLASS, {}, count=100)
+    rows = assert_all_succeeded(bridge, ids)
+    natively = new_side(NATIVE, 50, ids)
+    assert natively and {i for i, label in labels(rows).items() if label == "native"} == natively
+    log = blind.log()
+    assert "[native]: success" not in log and "[runner]: success" not in log
+    assert f"{CLASS}#" in log and "handed-back: canary: phd's share" in log, "it had tasks"
+    said = [line for line in log.splitlines() if "cannot read the weights" in line]
+    assert len(said) == 1 and "never read: no task runs here until they are read" in said[0]
+    assert "1142" in said[0]  # MariaDB's refusal, as it gave it
+
+
+def test_a_killed_guard_is_alerted_and_its_rollback_stays_in_sight(
+    make_bridge, database_url, amqp_url, start_prometheus
+):
+    """A real Prometheus with the shipped rules scrapes two workers; the guard runs on
+    the control one. Killed, its judgements stop: PhorgeBridgeCanaryGuardStopped goes
+    pending while a class is shared, and the other worker still serves the rollback
+    (the state row's), so PhorgeBridgeCanaryRolledBack does not resolve."""
+    ports = [free_port(), free_port()]
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 20}, HEALTHY: {"native": 50}})
+    roll_back(bridge.engine, CLASS, NATIVE)
+    bridge.settings["BRIDGE_METRICS_PORT"] = str(ports[0])
+    control = bridge.worker("control", [bridge.control_queue])
+    bridge.settings["BRIDGE_METRICS_PORT"] = str(ports[1])
+    worker = bridge.worker("worker", [bridge.default_queue])
+    prometheus = start_prometheus([f"127.0.0.1:{port}" for port in ports])
+    bridge.beat()
+    bridge.wait_ready(control, worker)
+    bridge.wait_until(prometheus.ready, WAIT, "Prometheus to be ready")
+
+    def alert(state: str) -> bool:
+        query = f'ALERTS{{alertname="PhorgeBridgeCanaryGuardStopped", alertstate="{state}"}}'
+        return bool(prometheus.query(query))
+
+    judged = "phorge_bridge_canary_guard_last_run_timestamp_seconds"
+    bridge.wait_until(lambda: prometheus.query(f"time() - {judged} < 10"), WAIT, "judgements")
+    bridge.wait_until(lambda: not alert("pending"), WAIT, "no alert while the guard judges")
+    assert not alert("firing")
+
+    control.kill()
+    bridge.wait_until(lambda: alert("pending"), WAIT, "the alert on a guard gone")
+    rolled = "max by (task_class, level) (phorge_bridge_canary_rolled_back) == 1"
+    assert [r["metric"] for r in prometheus.query(rolled)] == [
+        {"task_class": CLASS, "level": NATIVE}
+    ]
+    assert scraped(ports[1:], "phorge_bridge_canary_rolled_back", task_class=CLASS) == 1

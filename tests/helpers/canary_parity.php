@@ -8,16 +8,20 @@
  * Reads one JSON request on stdin:
  *
  *   {"buckets": {"levels": [...], "ids": [...]},
+ *    "reads": [{"rows": {option: raw JSON} or null (unreadable), "classes": [...]}],
  *    "cases": [{"weights": raw JSON or null, "state": raw JSON or null,
  *               "classes": [...], "ids": [...], "failures": [null, 0, ...]}]}
  *
  * and writes one JSON answer on stdout: the buckets per level, and per case
  * each option's refusal (its message) or, when both are accepted, the weights
- * of the classes, the named classes and, per class, level and failure time, a
- * string of "1" (the new side takes the id) and "0". A case is read as
+ * of the classes (as they are, and closed: newClosed()), the named classes
+ * and, per class, level and failure time, a string of "1" (the new side takes
+ * the id) and "0". A case is read as
  * PhorgeBridgeCanary::refresh() reads the config rows (decodeValue(), then the
  * parsers); anything but the canary's own exception (a PHP warning included)
- * is a "crash", which the test reports.
+ * is a "crash", which the test reports. Then one canary is refreshed after
+ * each of "reads" (the config table as it is then) and the answer adds the
+ * weights it gives each class after each read, and the lines it logged.
  *
  * The shims below stand for the three libphutil functions the pure part calls;
  * idx() and array_fuse() are arcanist's (src/utils/utils.php), pht() is what
@@ -55,6 +59,39 @@ if (!function_exists('pht')) {
     array_shift($args);
     return vsprintf($text, $args);
   }
+}
+
+// The config table PhorgeBridgeCanary::readOptions() reads, for the request's
+// "reads": its rows, or null while it can not be read (as a revoked grant).
+final class PhabricatorConfigEntry {
+  public static $rows = array();
+
+  public function establishConnection($mode) {
+    if (self::$rows === null) {
+      throw new Exception('SELECT command denied');
+    }
+    return null;
+  }
+
+  public function getTableName() {
+    return 'config_entry';
+  }
+}
+
+function queryfx_all($conn, $pattern /* , ... */) {
+  return PhabricatorConfigEntry::$rows;
+}
+
+function ipull(array $list, $index, $key_index) {
+  $out = array();
+  foreach ($list as $row) {
+    $out[$row[$key_index]] = $row[$index];
+  }
+  return $out;
+}
+
+function phlog($value) {
+  $GLOBALS['canary_parity_logged']++;
 }
 
 // Every warning and notice is a failure of the case it happens in.
@@ -101,12 +138,15 @@ function canary_parity_case(array $case, $decode) {
     PhorgeBridgeCanary::LEVEL_BRIDGE,
     PhorgeBridgeCanary::LEVEL_NATIVE,
   );
+  $closed = $canary->newClosed();
   $out['named'] = $canary->getNamedClasses();
   $out['weights'] = array();
+  $out['closed'] = array();
   $out['takes'] = array();
   foreach ($case['classes'] as $class) {
     foreach ($levels as $level) {
       $out['weights'][$class][$level] = $canary->getWeight($class, $level);
+      $out['closed'][$class][$level] = $closed->getWeight($class, $level);
       foreach ($case['failures'] as $failure) {
         $bits = '';
         foreach ($case['ids'] as $id) {
@@ -144,4 +184,39 @@ foreach ($request['cases'] as $case) {
   }
 }
 
-echo json_encode(array('buckets' => $buckets, 'cases' => $cases));
+// One canary refreshed after each read, as the shipped daemon refreshes it:
+// the weights in force of each class and level, and the lines logged.
+$GLOBALS['canary_parity_logged'] = 0;
+$reader = new PhorgeBridgeCanary();
+$read_at = new ReflectionProperty('PhorgeBridgeCanary', 'readAt');
+$read_at->setAccessible(true);
+$reads = array();
+foreach ($request['reads'] as $read) {
+  PhabricatorConfigEntry::$rows = null;
+  if ($read['rows'] !== null) {
+    PhabricatorConfigEntry::$rows = array();
+    foreach ($read['rows'] as $key => $value) {
+      PhabricatorConfigEntry::$rows[] = array(
+        'configKey' => $key,
+        'value' => $value,
+      );
+    }
+  }
+  $read_at->setValue($reader, null);  // past REFRESH_SECONDS
+  $canary = $reader->refresh();
+  $weights = array();
+  foreach ($read['classes'] as $class) {
+    foreach (array('bridge', 'native') as $level) {
+      $weights[$class][$level] = $canary->getWeight($class, $level);
+    }
+  }
+  $reads[] = $weights;
+}
+
+echo json_encode(
+  array(
+    'buckets' => $buckets,
+    'cases' => $cases,
+    'reads' => $reads,
+    'logged' => $GLOBALS['canary_parity_logged'],
+  ));

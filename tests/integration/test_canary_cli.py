@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import secrets
 from dataclasses import asdict
 
 import pytest
@@ -254,3 +255,36 @@ def test_doctor_lists_the_weights_warns_of_rollbacks_and_fails_bad_weights(cli):
     assert check["status"] == "fail"
     assert check["detail"].startswith("phorge-bridge.canary: X.bridge: 500 is outside [0, 100]")
     assert "phorge-bridge.canary: X.bridge" in invoke("canary", "status", code=1)
+
+
+def test_doctor_fails_while_the_account_may_not_read_the_weights(
+    cli, mysql_engine, mysql_server, monkeypatch
+):
+    """The bridge then runs no class that may be shared: doctor names the grant to add,
+    or BRIDGE_CANARY=false for an install without a gray migration."""
+    name, database = f"nocfg_{secrets.token_hex(4)}", mysql_engine.url.database
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"CREATE USER '{name}'@'127.0.0.1' IDENTIFIED BY 'rw'")
+        conn.exec_driver_sql(
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.worker_activetask "
+            f"TO '{name}'@'127.0.0.1'"
+        )
+    try:
+        url = mysql_engine.url.set(username=name, password="rw")
+        monkeypatch.setenv("BRIDGE_DATABASE_URL", url.render_as_string(hide_password=False))
+        check = doctor()
+        assert check["status"] == "fail"
+        assert check["detail"].startswith("weights unknown, so the bridge runs no class that")
+        assert check["detail"].endswith(
+            "this account may not use Phorge's config table: GRANT SELECT, INSERT, UPDATE "
+            f"ON config_entry TO '{name}'@'127.0.0.1'"
+        )
+        monkeypatch.setenv("BRIDGE_CANARY", "false")
+        check = doctor()
+        assert (check["status"], check["detail"]) == (
+            "ok",
+            "off (BRIDGE_CANARY=false): every class wholly on the bridge",
+        )
+    finally:
+        with mysql_server.begin() as conn:
+            conn.exec_driver_sql(f"DROP USER '{name}'@'127.0.0.1'")

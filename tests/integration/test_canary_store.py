@@ -18,14 +18,15 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from bridge.canary import store as store_module
 from bridge.canary.guard import Suspicions, guard_lock, guard_once
 from bridge.canary.store import CanaryStore, CanaryView, config_database
 from bridge.canary.weights import (
     BRIDGE,
+    CLOSED,
     NATIVE,
     NO_CANARY,
     OPTION,
+    SCALE,
     STATE_OPTION,
     CanaryState,
     bucket,
@@ -270,7 +271,7 @@ def test_mysql_crc32_agrees_with_the_bucket(mysql_engine):
     ]
 
 
-def test_a_view_caches_and_keeps_the_last_good_value(store, monkeypatch, caplog):
+def test_a_view_caches_and_keeps_the_last_good_value(store, caplog):
     store.set_weights({"C": {"native": 20}})
     view = CanaryView(store, refresh=3600)
     assert view.current().weight("C", NATIVE) == 2000
@@ -286,9 +287,50 @@ def test_a_view_caches_and_keeps_the_last_good_value(store, monkeypatch, caplog)
     assert line.levelno == logging.ERROR and "phorge-bridge.canary: C.native" in line.getMessage()
     store.set_weights({"C": {"native": 40}})
     assert view.current().weight("C", NATIVE) == 4000
-    # NO_CANARY before the first good read.
-    monkeypatch.setattr(store_module.CanaryStore, "read", lambda self: 1 / 0)
-    assert CanaryView(store, 1).current() == NO_CANARY
+    # Refused values before any good read: no new side at all (the worker's start stops).
+    store._write(OPTION, lambda _old: '{"C": {"native": 300}}')
+    assert CanaryView(store, 1).current() == CLOSED
+
+
+@pytest.fixture
+def config_only_account(store, mysql_server) -> Iterator[tuple[str, CanaryStore]]:
+    """An account granted the config table alone, and a store reading through it."""
+    name = f"cfg_{secrets.token_hex(4)}"
+    database = store.engine.url.database
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"CREATE USER '{name}'@'127.0.0.1' IDENTIFIED BY 'rw'")
+        conn.exec_driver_sql(f"GRANT SELECT ON `{database}`.config_entry TO '{name}'@'127.0.0.1'")
+    url = store.engine.url.set(username=name, password="rw")
+    yield name, CanaryStore(make_engine(url.render_as_string(hide_password=False)), None)
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"DROP USER '{name}'@'127.0.0.1'")
+
+
+def test_a_view_that_cannot_read_fails_closed(store, config_only_account, mysql_server, caplog):
+    """A revoked grant: the shared classes go wholly to their old side, a rollback stays,
+    the classes wholly moved stay moved; said once; the grant back, the weights are back."""
+    name, reader = config_only_account
+    store.set_weights({"Shared": {"bridge": 20}, "Native": {"native": 50}, "Moved": {}})
+    view = CanaryView(reader, refresh=0)
+    good = view.current()
+    assert (good.weight("Shared", BRIDGE), good.weight("Native", NATIVE)) == (2000, 5000)
+    grant = f"SELECT ON `{store.engine.url.database}`.config_entry"
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"REVOKE {grant} FROM '{name}'@'127.0.0.1'")
+    caplog.set_level(logging.WARNING, logger="bridge.canary")
+    for _ in range(3):
+        closed = view.current()
+        assert closed == good.closed()
+        assert (closed.weight("Shared", BRIDGE), closed.weight("Native", NATIVE)) == (0, 0)
+        assert closed.weight("Moved", BRIDGE) == closed.weight("Moved", NATIVE) == SCALE
+    (line,) = caplog.records
+    assert "no task of a shared class runs on the new side" in line.getMessage()
+    assert "1142" in line.getMessage()  # MySQL's own words: SELECT command denied
+    # A fresh process that cannot read at all runs no new side of any class.
+    assert CanaryView(reader, refresh=0).current() == CLOSED
+    with mysql_server.begin() as conn:
+        conn.exec_driver_sql(f"GRANT {grant} TO '{name}'@'127.0.0.1'")
+    assert view.current() == good
 
 
 def archived(engine: sa.Engine, owner: str, first_id: int, count: int) -> None:

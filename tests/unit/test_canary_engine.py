@@ -193,6 +193,17 @@ def test_the_poll_leases_the_rows_whose_bucket_is_below_the_weight_and_none_that
         assert 400 < len(expected) < 500  # about half of the 900 that never failed
 
 
+def test_with_the_canary_off_the_weights_are_never_read(tmp_path: Path):
+    registry = Registry([Native()], runner_classes=(CLASS, OTHER))
+    rt = open_runtime(settings_for(tmp_path, CANARY="false"), registry)
+    assert rt.canary == FixedCanary()
+    ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 10)
+    set_weights(rt.queue.engine, {CLASS: {"bridge": 0}})
+    sent = Sent()
+    poll_once(rt, sent)
+    assert sorted(sent.ids) == ids
+
+
 def test_the_share_is_read_through_the_lease_filter_in_both_phases(tmp_path: Path):
     """The expired phase takes the share too: a lost dispatch of the bridge's row comes
     back to the bridge, phd's rows whose daemon died are not taken."""

@@ -22,6 +22,7 @@ from prometheus_tools import RULES, panel_queries
 
 from bridge.canary.store import CanaryStore, encode, new_phid
 from bridge.canary.weights import OPTION
+from bridge.metrics import GUARD_JUDGED
 from bridge.metrics.canary import NAMES, CanaryCollector
 from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS
 from bridge.queue.schema import config_entry
@@ -260,13 +261,28 @@ def test_refused_weights_cost_only_the_canary_gauges_said_once(engine, store, ca
     assert registry.get_sample_value("phorge_bridge_canary_weight", weight) == 30
 
 
+def test_a_rollback_is_served_while_the_weights_are_refused(engine, store, caplog):
+    store.set_weights({MAIL: {"bridge": 30}})
+    store.change_state(lambda state: state.with_rollback(MAIL, "bridge", 1, "worse"))
+    store._write(OPTION, lambda _old: encode({MAIL: {"bridge": 300}}))
+    collector = collector_of(store)
+    rolled = {"task_class": MAIL, "level": "bridge"}
+    with caplog.at_level(logging.WARNING, "bridge.metrics.canary"):
+        families = list(collector.collect())
+        registry = registry_of(collector)
+    assert [family.name for family in families] == ["phorge_bridge_canary_rolled_back"]
+    assert registry.get_sample_value("phorge_bridge_canary_rolled_back", rolled) == 1
+    [line] = [r.getMessage() for r in caplog.records if r.name == "bridge.metrics.canary"]
+    assert OPTION in line and MAIL in line
+
+
 def test_an_unreadable_config_table_costs_only_the_canary_gauges(store, monkeypatch, caplog):
     denied = sa.exc.OperationalError("SELECT", {}, Exception("SELECT command denied"))
 
     def read() -> None:
         raise denied
 
-    monkeypatch.setattr(store, "read", read)
+    monkeypatch.setattr(store, "read_values", read)
     with caplog.at_level(logging.WARNING, "bridge.metrics.canary"):
         assert list(collector_of(store).collect()) == []
     [line] = [r.getMessage() for r in caplog.records if r.name == "bridge.metrics.canary"]
@@ -276,7 +292,7 @@ def test_an_unreadable_config_table_costs_only_the_canary_gauges(store, monkeypa
 def test_the_rules_and_the_dashboard_ask_only_for_gauges_the_collector_serves(sqlite_engine):
     texts = [RULES.read_text(), *(expr for _, expr in panel_queries())]
     used = {name for text in texts for name in re.findall(r"phorge_bridge_canary_\w+", text)}
-    assert used == set(NAMES)
+    assert used == {*NAMES, GUARD_JUDGED._name}
     store = CanaryStore(sqlite_engine, None)
     store.set_weights({MAIL: {"bridge": 5}})
     assert [family.name for family in collector_of(store).collect()] == list(NAMES)

@@ -13,6 +13,7 @@ describes values as JSON, Python with ``repr``). The real-Phorge tier's
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 import bridge
-from bridge.canary.store import decode_state, decode_weights, php_json, read_json
+from bridge.canary.store import CanaryView, decode_state, decode_weights, php_json, read_json
 from bridge.canary.weights import (
     BRIDGE,
     LEVELS,
@@ -347,6 +348,37 @@ CASES: list[tuple[str, Any, Any]] = [
 ]
 
 
+SHARED = {"A": {"bridge": 20}, "B": {"native": 50}, "C": {}, "*": {"bridge": 0}}
+RAMPED = {**RAMP_A, "D": {"bridge": 0}}
+RAMP_STEP = {"classes": {"A": {"bridge": {"step": 1, "step_since": 1}}}, "history": []}
+# The config table at each read of one canary (None: it cannot be read).
+READS: list[dict[str, str] | None] = [
+    {OPTION: json.dumps(SHARED)},
+    None,
+    None,
+    {OPTION: json.dumps(RAMPED), STATE_OPTION: json.dumps(RAMP_STEP)},
+    None,
+    {OPTION: json.dumps(RAMPED), STATE_OPTION: json.dumps(state_of({"A": {"bridge": rolled()}}))},
+    None,
+]
+
+
+class Table:
+    """The config table of :data:`READS` to a :class:`CanaryView`, read after read."""
+
+    table_name = "config_entry"
+
+    def __init__(self) -> None:
+        self.reads = iter(READS)
+
+    def read(self) -> Canary:
+        rows = next(self.reads)
+        if rows is None:
+            raise OSError("SELECT command denied")
+        weights = parse_weights(decode_weights(rows.get(OPTION)))
+        return Canary(weights, decode_state(rows.get(STATE_OPTION)))
+
+
 def raw_of(value: Any) -> str | None:
     """A case's option as its config row holds it (None: no row)."""
     if value is None:
@@ -368,7 +400,11 @@ def php_answers(cases: list[dict[str, Any]]) -> dict[str, Any]:
     php = shutil.which("php")
     if php is None:
         pytest.fail("php is not installed (apt-get install -y php-cli): this test needs it")
-    request = {"buckets": {"levels": list(LEVELS), "ids": BUCKET_IDS}, "cases": cases}
+    request = {
+        "buckets": {"levels": list(LEVELS), "ids": BUCKET_IDS},
+        "cases": cases,
+        "reads": [{"rows": rows, "classes": CLASSES} for rows in READS],
+    }
     done = subprocess.run(
         [php, "-n", str(DRIVER), str(CANARY_PHP)],
         input=json.dumps(request),
@@ -406,6 +442,8 @@ def python_answer(case: dict[str, Any]) -> dict[str, Any]:
     canary = Canary(weights, state)
     out["named"] = canary.named
     out["weights"] = {c: {lv: canary.weight(c, lv) for lv in LEVELS} for c in case["classes"]}
+    closed = canary.closed()
+    out["closed"] = {c: {lv: closed.weight(c, lv) for lv in LEVELS} for c in case["classes"]}
     out["takes"] = {
         c: {
             lv: {
@@ -460,6 +498,21 @@ def test_php_reads_and_chooses_as_python(answers: Answers, index: int) -> None:
             assert shape(mine) == shape(theirs), (mine, theirs)
         python[key], php[key] = mine is None, theirs is None  # compared above
     assert python == php
+
+
+def test_php_fails_closed_as_python(answers: Answers, caplog: pytest.LogCaptureFixture) -> None:
+    """While the table cannot be read, both run the last good weights closed (a shared
+    class wholly on its old side, a ramp's step included, a rollback kept), and each
+    says so once per outage."""
+    view = CanaryView(Table(), refresh=0)  # type: ignore[arg-type]
+    caplog.set_level(logging.WARNING, logger="bridge.canary")
+    python = []
+    for _ in READS:
+        canary = view.current()
+        python.append({c: {lv: canary.weight(c, lv) for lv in LEVELS} for c in CLASSES})
+    assert answers[1]["reads"] == python
+    assert answers[1]["logged"] == len(caplog.records) == 3
+    assert python[1]["A"][BRIDGE] == 0 and python[4]["A"][BRIDGE] == 0
 
 
 def test_the_table_names_each_case_once() -> None:

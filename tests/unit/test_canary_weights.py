@@ -10,6 +10,7 @@ import pytest
 
 from bridge.canary.weights import (
     BRIDGE,
+    CLOSED,
     FELL_BACK,
     HISTORY_PER_CLASS,
     LABEL_ROOM,
@@ -276,3 +277,42 @@ def test_a_canary_holds_its_weights_and_state():
     canary = Canary(parse_weights({"C": {"native": 20}}), CanaryState())
     assert canary.configured("C").native == 2000
     assert canary.configured("D").native == SCALE
+
+
+def test_a_closed_canary_runs_no_new_side_of_a_shared_class():
+    weights = {
+        "Shared": {"bridge": 20},
+        "Native": {"native": 50},
+        "Ramped": {"ramp": {"level": "bridge", "steps": [5, 50]}},
+        "Moved": {},
+        "Kept": {"bridge": 0},
+        "*": {"bridge": 100},
+    }
+    state = CanaryState().with_step("Ramped", BRIDGE, 10, 1, 50.0)
+    state = state.with_rollback("Gone", BRIDGE, 20, "worse")
+    canary = canary_of(weights, state.to_json())
+    assert (canary.weight("Ramped", BRIDGE), canary.weight("Native", BRIDGE)) == (5000, SCALE)
+    closed = canary.closed()
+    expected = {
+        "Shared": (0, SCALE),
+        "Native": (SCALE, 0),
+        "Ramped": (0, SCALE),
+        "Moved": (SCALE, SCALE),
+        "Kept": (0, SCALE),
+        "Gone": (0, SCALE),  # its rollback stays in force
+        "Unnamed": (SCALE, SCALE),
+    }
+    assert {c: (closed.weight(c, BRIDGE), closed.weight(c, NATIVE)) for c in expected} == expected
+    assert closed.partial() == [] and closed.state == canary.state
+    # Closing a closed canary changes nothing; without a canary nothing is shared.
+    assert closed.closed() == closed and NO_CANARY.closed() == NO_CANARY
+
+
+def test_before_any_read_no_class_runs_on_either_new_side():
+    assert CLOSED.active and not NO_CANARY.active
+    assert not any(
+        CLOSED.takes(level, task_class, task_id, None)
+        for level in (BRIDGE, NATIVE)
+        for task_class in ("A", "PhabricatorSearchWorker")
+        for task_id in IDS
+    )
