@@ -144,25 +144,30 @@ def _ramp(given: Any, where: str) -> Ramp:
     return Ramp(level, bps, dwell)
 
 
-def _class_weights(name: str, given: Any) -> ClassWeights:
-    """A class's entry; a level it leaves out is 100 (``{}``: the class wholly new)."""
+def _class_weights(name: str, given: Any, default: ClassWeights) -> ClassWeights:
+    """A class's entry; a level it leaves out has the ``"*"`` entry's weight (100 without
+    one), but for a ramp's own level: naming a class at one level moves it at no other."""
     value = _object(given)
     if value is None or set(value) - {BRIDGE, NATIVE, "ramp"}:
         raise ConfigError(
             OPTION, f"{name}: expected an object with bridge, native or ramp, got {given!r}"
         )
-    weights = ClassWeights(
-        bridge=_percent(value.get(BRIDGE, 100), f"{name}.bridge"),
-        native=_percent(value.get(NATIVE, 100), f"{name}.native"),
-        ramp=_ramp(value["ramp"], name) if "ramp" in value else None,
-    )
-    if weights.ramp is not None and weights.at(weights.ramp.level) != SCALE:
-        raise ConfigError(OPTION, f"{name}: a ramp sets the {weights.ramp.level} weight itself")
-    partial = [level for level in LEVELS if weights.at(level) < SCALE]
-    if weights.ramp is not None:
-        partial.append(weights.ramp.level)
-    if len(set(partial)) > 1:
-        raise ConfigError(OPTION, f"{name}: only one level may be below 100 at a time")
+    given_bp = {lv: _percent(value[lv], f"{name}.{lv}") for lv in LEVELS if lv in value}
+    ramp = _ramp(value["ramp"], name) if "ramp" in value else None
+    if ramp is not None and given_bp.get(ramp.level, SCALE) != SCALE:
+        raise ConfigError(OPTION, f"{name}: a ramp sets the {ramp.level} weight itself")
+
+    def at(level: str) -> int:
+        if level in given_bp:
+            return given_bp[level]
+        return SCALE if ramp is not None and ramp.level == level else default.at(level)
+
+    weights = ClassWeights(bridge=at(BRIDGE), native=at(NATIVE), ramp=ramp)
+    shared = {level for level in LEVELS if 0 < weights.at(level) < SCALE}
+    if ramp is not None:
+        shared.add(ramp.level)
+    if len(shared) > 1:
+        raise ConfigError(OPTION, f"{name}: only one level may be shared at a time")
     if name == DEFAULT and (weights.ramp or any(weights.at(lv) not in (0, SCALE) for lv in LEVELS)):
         raise ConfigError(OPTION, f"{DEFAULT}: the default weights are 0 or 100, without a ramp")
     return weights
@@ -175,7 +180,13 @@ def parse_weights(value: Any) -> dict[str, ClassWeights]:
         return {}
     if not isinstance(value, Mapping):
         raise ConfigError(OPTION, f"expected a JSON object of task classes, got {value!r}")
-    return {str(name): _class_weights(str(name), entry) for name, entry in value.items()}
+    default = ClassWeights()
+    if DEFAULT in value:
+        default = _class_weights(DEFAULT, value[DEFAULT], default)
+    return {
+        str(name): default if name == DEFAULT else _class_weights(str(name), entry, default)
+        for name, entry in value.items()
+    }
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, inspect
 
 from bridge.assembly import build_registry
 from bridge.canary.store import CanaryStore
-from bridge.canary.weights import DEFAULT, LEVELS, OPTION, SCALE, percent
+from bridge.canary.weights import BRIDGE, DEFAULT, LEVELS, OPTION, SCALE, Canary, percent
 from bridge.cli.service_errors import driver_error, first_line
 from bridge.cli.tasks import stamp
 from bridge.config import ConfigError, Settings, load_settings
@@ -468,25 +468,41 @@ def unreadable(engine: Engine, database: str, exc: Exception) -> str:
     )
 
 
-def check_taskmasters(doctor: Doctor) -> Check:
-    """PHP taskmasters with a live heartbeat, as Phorge's daemon console counts them."""
-    doctor.require("database")
-    name = "taskmasters"
+def count_daemons(doctor: Doctor, daemon: str) -> tuple[int, str] | str | None:
+    """The live daemons of class like ``daemon`` in Phorge's daemon log and what is left
+    out of the count (those it calls unknown or dead); the reason when the log cannot be
+    read; None without a daemon database beside the worker one."""
     database = _daemon_database(doctor.queue)
     if database is None:
-        return Check(name, "ok", "not applicable (no Phorge daemon database beside this one)")
-    query = sql.count_taskmasters(database, UNKNOWN_AFTER, DEAD_AFTER, RUNNING_STATUSES)
+        return None
+    query = sql.count_daemons(database, daemon, UNKNOWN_AFTER, DEAD_AFTER, RUNNING_STATUSES)
     try:
         with doctor.queue.engine.connect() as conn:
             live, unknown, dead = (int(n) for n in conn.execute(query).one())
     except Exception as exc:
-        return Check(name, "warn", f"unknown: {unreadable(doctor.queue.engine, database, exc)}")
+        return unreadable(doctor.queue.engine, database, exc)
     ignored = (
         f"; not counted, as Phorge's daemon console calls them: {unknown} unknown "
         f"(heartbeat over {UNKNOWN_AFTER} s old), {dead} dead (over {DEAD_AFTER} s)"
         if unknown or dead
         else ""
     )
+    return live, ignored
+
+
+NO_DAEMON_LOG = "not applicable (no Phorge daemon database beside this one)"
+
+
+def check_taskmasters(doctor: Doctor) -> Check:
+    """PHP taskmasters with a live heartbeat, as Phorge's daemon console counts them."""
+    doctor.require("database")
+    name = "taskmasters"
+    counted = count_daemons(doctor, "%TaskmasterDaemon")
+    if counted is None:
+        return Check(name, "ok", NO_DAEMON_LOG)
+    if isinstance(counted, str):
+        return Check(name, "warn", f"unknown: {counted}")
+    live, ignored = counted
     if live:
         return Check(
             name,
@@ -497,6 +513,55 @@ def check_taskmasters(doctor: Doctor) -> Check:
             f"(docs/operations.md){ignored}",
         )
     return Check(name, "ok", f"none running{ignored}")
+
+
+QUEUE_DAEMON = "PhorgeBridgeQueueDaemon"
+
+
+def phds_share(canary: Canary) -> list[str]:
+    """What the weights leave to phd at the bridge level, as an operator reads it."""
+    share = [
+        f"{name} {percent(SCALE - weight):g}%"
+        for name in canary.named
+        if (weight := canary.weight(name, BRIDGE)) < SCALE
+    ]
+    if canary.configured(DEFAULT).bridge < SCALE:
+        share.append("every class not named")
+    return share
+
+
+def check_old_side(doctor: Doctor) -> Check:
+    """A share the weights give phd has a live PhorgeBridgeQueueDaemon to run it: nothing
+    else runs that share, and ``bin/phd start``, ``restart`` or a reboot does not start
+    the daemon, so without this check its tasks would wait unseen."""
+    doctor.require("canary")
+    assert doctor.settings is not None
+    name = "old side"
+    if not doctor.settings.canary:
+        return Check(name, "ok", "not applicable (BRIDGE_CANARY=false)")
+    canary = CanaryStore.for_settings(doctor.queue.engine, doctor.settings, warn_missing=False)
+    share = phds_share(canary.read())
+    if not share:
+        return Check(name, "ok", f"the weights leave phd nothing: no {QUEUE_DAEMON} needed")
+    counted = count_daemons(doctor, QUEUE_DAEMON)
+    if counted is None:
+        return Check(name, "ok", NO_DAEMON_LOG)
+    if isinstance(counted, str):
+        return Check(name, "warn", f"unknown: {counted}")
+    live, ignored = counted
+    if live:
+        return Check(
+            name,
+            "ok",
+            f"{live} {QUEUE_DAEMON} running for phd's share: {', '.join(share)}{ignored}",
+        )
+    return Check(
+        name,
+        "fail",
+        f"no {QUEUE_DAEMON} is running, and the weights give phd {', '.join(share)}: those "
+        f"tasks wait. Start it with ./bin/phd launch {QUEUE_DAEMON} (bin/phd start and "
+        f"restart do not; see docs/operations.md, Gray migration){ignored}",
+    )
 
 
 def check_canary(doctor: Doctor) -> Check:
@@ -605,6 +670,7 @@ CHECKS: list[Callable[[Doctor], Check]] = [
     check_php_extension_files,
     check_taskmasters,
     check_canary,
+    check_old_side,
     check_clock_skew,
 ]
 

@@ -760,12 +760,13 @@ def select_highest_task_id() -> Select[Any]:
     return select(func.max(ids.c.id))
 
 
-def count_taskmasters(
-    database: str, unknown_after: int, dead_after: int, running: Sequence[str]
+def count_daemons(
+    database: str, daemon: str, unknown_after: int, dead_after: int, running: Sequence[str]
 ) -> Select[int, int, int]:
-    """PhabricatorDaemonLogQuery's verdicts on taskmasters with a ``running`` status in the
-    daemon log of ``database``: how many have a heartbeat at most ``unknown_after``
-    seconds old (live), at most ``dead_after`` (unknown), and older (dead)."""
+    """PhabricatorDaemonLogQuery's verdicts on the daemons whose class is like ``daemon``
+    with a ``running`` status in the daemon log of ``database``: how many have a heartbeat
+    at most ``unknown_after`` seconds old (live), at most ``dead_after`` (unknown), and
+    older (dead)."""
     log = daemon_log(database)
     age = db_now() - log.c.dateModified
 
@@ -776,7 +777,7 @@ def count_taskmasters(
         count(age <= unknown_after),
         count(and_(age > unknown_after, age <= dead_after)),
         count(age > dead_after),
-    ).where(log.c.status.in_(list(running)), log.c.daemon.like("%TaskmasterDaemon"))
+    ).where(log.c.status.in_(list(running)), log.c.daemon.like(daemon))
 
 
 def current_account() -> Select[Any]:

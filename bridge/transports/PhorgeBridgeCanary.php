@@ -417,15 +417,29 @@ final class PhorgeBridgeCanary {
           'expected a JSON object of task classes, got %s',
           self::describe($value)));
     }
+    $default = self::newClassWeights();
+    if (array_key_exists(self::DEFAULT_CLASS, $value)) {
+      $default = self::parseClassWeights(
+        self::DEFAULT_CLASS,
+        $value[self::DEFAULT_CLASS],
+        $default);
+    }
     $weights = array();
     foreach ($value as $name => $entry) {
-      $weights[(string)$name] = self::parseClassWeights((string)$name, $entry);
+      $name = (string)$name;
+      if ($name === self::DEFAULT_CLASS) {
+        $weights[$name] = $default;
+      } else {
+        $weights[$name] = self::parseClassWeights($name, $entry, $default);
+      }
     }
     return $weights;
   }
 
-  // A class's entry; a level it leaves out is 100 ({}: the class wholly new).
-  private static function parseClassWeights($name, $value) {
+  // A class's entry; a level it leaves out has the "*" entry's weight (100
+  // without one), but for a ramp's own level: naming a class at one level
+  // moves it at no other.
+  private static function parseClassWeights($name, $value, array $default) {
     $known = array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE, 'ramp');
     if (!self::isObject($value) || array_diff(array_keys($value), $known)) {
       throw self::newWeightsException(
@@ -435,39 +449,46 @@ final class PhorgeBridgeCanary {
           self::describe($value)));
     }
 
-    $weights = array(
-      self::LEVEL_BRIDGE => self::parsePercent(
-        idx($value, self::LEVEL_BRIDGE, 100),
-        $name.'.'.self::LEVEL_BRIDGE,
-        false),
-      self::LEVEL_NATIVE => self::parsePercent(
-        idx($value, self::LEVEL_NATIVE, 100),
-        $name.'.'.self::LEVEL_NATIVE,
-        false),
-      'ramp' => null,
-    );
-    if (array_key_exists('ramp', $value)) {
-      $weights['ramp'] = self::parseRamp($name, $value['ramp']);
+    $levels = array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE);
+    $given = array();
+    foreach ($levels as $level) {
+      if (array_key_exists($level, $value)) {
+        $given[$level] = self::parsePercent(
+          $value[$level],
+          $name.'.'.$level,
+          false);
+      }
     }
-
-    $ramp = $weights['ramp'];
-    if ($ramp !== null && $weights[$ramp['level']] !== self::SCALE) {
+    $ramp = null;
+    if (array_key_exists('ramp', $value)) {
+      $ramp = self::parseRamp($name, $value['ramp']);
+    }
+    if ($ramp !== null &&
+        idx($given, $ramp['level'], self::SCALE) !== self::SCALE) {
       throw self::newWeightsException(
         pht('%s: a ramp sets the %s weight itself', $name, $ramp['level']));
     }
 
-    $partial = array();
-    foreach (array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE) as $level) {
-      if ($weights[$level] < self::SCALE) {
-        $partial[$level] = true;
+    $weights = array('ramp' => $ramp);
+    $shared = array();
+    foreach ($levels as $level) {
+      if (array_key_exists($level, $given)) {
+        $weights[$level] = $given[$level];
+      } else if ($ramp !== null && $ramp['level'] === $level) {
+        $weights[$level] = self::SCALE;
+      } else {
+        $weights[$level] = $default[$level];
+      }
+      if ($weights[$level] > 0 && $weights[$level] < self::SCALE) {
+        $shared[$level] = true;
       }
     }
     if ($ramp !== null) {
-      $partial[$ramp['level']] = true;
+      $shared[$ramp['level']] = true;
     }
-    if (count($partial) > 1) {
+    if (count($shared) > 1) {
       throw self::newWeightsException(
-        pht('%s: only one level may be below 100 at a time', $name));
+        pht('%s: only one level may be shared at a time', $name));
     }
 
     if ($name === self::DEFAULT_CLASS) {

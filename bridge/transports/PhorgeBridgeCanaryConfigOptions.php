@@ -46,7 +46,7 @@ final class PhorgeBridgeCanaryConfigOptions
       '*' => array('bridge' => 0),
       'PhabricatorSearchWorker' => array('bridge' => 100),
       'ManiphestTransactionMailWorker' => array('bridge' => 5),
-      'FeedPublisherHTTPWorker' => array('native' => 50),
+      'FeedPublisherHTTPWorker' => array('bridge' => 100, 'native' => 50),
       'PhabricatorRepositoryCommitParserWorker' => array(
         'ramp' => array(
           'level' => 'bridge',
@@ -71,10 +71,11 @@ final class PhorgeBridgeCanaryConfigOptions
             "taskmasters: it leaves the bridge's share alone);\n".
             "  - `native`: inside the bridge, a native handler against the ".
             "PHP worker.\n\n".
-            "Only one level per class may be below 100. A `ramp` (`level`, ".
-            "rising `steps`, `dwell` seconds, default 600) raises the weight ".
-            "step by step while the bridge's guard is quiet. A class not ".
-            "named runs wholly on the bridge (100) unless `*` says 0. Which ".
+            "Only one level per class may be shared (between 0 and 100). A ".
+            "`ramp` (`level`, rising `steps`, `dwell` seconds, default 600) ".
+            "raises the weight step by step while the bridge's guard is ".
+            "quiet. A class not named, and a level a class leaves out, has ".
+            "the weights of `*` (100 without it). Which ".
             "task goes to which side is a hash of its id; a task that ever ".
             "failed stays with the old side.\n\n".
             "Set it with `bin/config set --database`: running daemons and ".

@@ -26,7 +26,7 @@ WEIGHTS = {
     "*": {"bridge": 0},
     "PhabricatorSearchWorker": {"bridge": 100},
     MAIL: {"bridge": 5},
-    FEED: {"native": 20},
+    FEED: {"bridge": 100, "native": 20},
     RAMPED: {"ramp": {"level": "bridge", "steps": [1, 5, 100], "dwell": 600}},
 }
 

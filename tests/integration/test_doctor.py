@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from conduit_fakes import TOKEN, FakeServer, Reply, conduit_error, conduit_result
 from local_ports import closed_port
 
+from bridge.canary.store import CanaryStore
 from bridge.cli.doctor import CHECKS
 from bridge.cli.main import main
 from bridge.phorge.extension import shipped_sha256, shipped_version
@@ -350,3 +351,39 @@ def test_the_text_report_has_one_line_per_check(doctor, monkeypatch):
     lines = result.output.splitlines()
     assert lines[0] == "ok    settings: every BRIDGE_* setting is valid"
     assert any(line.startswith("ok    broker: amqp://") for line in lines)
+
+
+def test_a_share_for_phd_needs_a_live_queue_daemon(phorge, doctor):
+    """The shipped daemon alone runs phd's share, and nothing restarts it after
+    `bin/phd restart` or a reboot: its absence fails doctor, its heartbeat passes it."""
+    store = CanaryStore(phorge, phorge.url.database)
+    mail = "ManiphestTransactionMailWorker"
+    store.set_weights(
+        {"*": {"bridge": 0}, "PhabricatorSearchWorker": {"bridge": 100}, mail: {"bridge": 25}}
+    )
+    share = f"{mail} 75%, every class not named"
+    _, checks = doctor(CANARY_DATABASE=phorge.url.database)
+    assert (checks["old side"]["status"], checks["old side"]["detail"]) == (
+        "fail",
+        f"no PhorgeBridgeQueueDaemon is running, and the weights give phd {share}: those "
+        "tasks wait. Start it with ./bin/phd launch PhorgeBridgeQueueDaemon (bin/phd start "
+        "and restart do not; see docs/operations.md, Gray migration)",
+    )
+    daemons(
+        phorge, ("PhorgeBridgeQueueDaemon", "run", 4000), ("PhabricatorTaskmasterDaemon", "run", 5)
+    )
+    _, checks = doctor()
+    assert checks["old side"]["status"] == "fail", "a dead one, or Phorge's own, is not it"
+    daemons(phorge, ("PhorgeBridgeQueueDaemon", "wait", 5))
+    _, checks = doctor()
+    assert (checks["old side"]["status"], checks["old side"]["detail"]) == (
+        "ok",
+        f"1 PhorgeBridgeQueueDaemon running for phd's share: {share}; not counted, as "
+        "Phorge's daemon console calls them: 0 unknown (heartbeat over 360 s old), 1 dead "
+        "(over 3600 s)",
+    )
+    store.set_weights({"*": {"bridge": 100}, mail: {"native": 50}})
+    _, checks = doctor()
+    assert checks["old side"]["detail"] == (
+        "the weights leave phd nothing: no PhorgeBridgeQueueDaemon needed"
+    )

@@ -37,8 +37,8 @@ WEIGHTS = {
     "*": {"bridge": 0},
     SEARCH: {"bridge": 100},  # moved wholly: a weight, no sides to compare
     MAIL: {"bridge": 5},
-    FEED: {"native": 20},
-    HERALD: {"native": 50},  # rolled back below
+    FEED: {"bridge": 100, "native": 20},
+    HERALD: {"bridge": 100, "native": 50},  # rolled back below
     COMMITS: {"ramp": {"level": "bridge", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
 }
 

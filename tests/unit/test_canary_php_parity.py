@@ -121,6 +121,23 @@ CASES: list[tuple[str, Any, Any]] = [
     ("a class with no weights, as PHP stores it", {"X": []}, None),
     ("a class with no weights beside a default", {"*": {"bridge": 0}, "X": {}}, None),
     ("a default with no weights", {"*": {}, "A": []}, None),
+    ("a default of both levels at 0", {"*": {"bridge": 0, "native": 0}}, None),
+    (
+        "a level at 0 beside a ramp",
+        {"A": {"native": 0, "ramp": {"level": "bridge", "steps": [5]}}},
+        None,
+    ),
+    ("a class named at the native level only", {"*": {"bridge": 0}, "C": {"native": 50}}, None),
+    (
+        "levels left out after the default",
+        {"A": {"native": 20}, "*": {"bridge": 0, "native": 0}, "B": {"bridge": 30}},
+        None,
+    ),
+    (
+        "a ramp beside a default of 0",
+        {"*": {"bridge": 0}, "D": {"ramp": {"level": "bridge", "steps": [5, 50]}, "native": 0}},
+        state_of({"D": {"bridge": {"step": 1}}}),
+    ),
     ("an explicit 100 and 0", {"A": {"bridge": 100.0, "native": 100}, "B": {"bridge": 0.0}}, None),
     ("rounding: half to even", {"A": {"bridge": 0.005}, "B": {"native": 0.015}}, None),
     ("rounding: thirds", {"A": {"bridge": 33.333333}, "B": {"bridge": 66.666667}}, None),
@@ -211,8 +228,8 @@ CASES: list[tuple[str, Any, Any]] = [
     ("a level in capitals", {"A": {"Bridge": 5}}, None),
     ("two levels partial", {"A": {"bridge": 50, "native": 20}}, None),
     (
-        "a partial level beside a ramp",
-        {"A": {"native": 0, "ramp": {"level": "bridge", "steps": [5]}}},
+        "a shared level beside a ramp",
+        {"A": {"native": 20, "ramp": {"level": "bridge", "steps": [5]}}},
         None,
     ),
     (
@@ -265,7 +282,11 @@ CASES: list[tuple[str, Any, Any]] = [
     ("a default of 50", {"*": {"bridge": 50}}, None),
     ("a default of a fraction", {"*": {"native": 0.5}}, None),
     ("a default with a ramp", {"*": {"ramp": {"level": "bridge", "steps": [5]}}}, None),
-    ("a default of both levels at 0", {"*": {"bridge": 0, "native": 0}}, None),
+    (
+        "a bad default after a bad class: the default's refusal",
+        {"A": {"bridge": 200}, "*": {"bridge": 50}},
+        None,
+    ),
     ("a default of a number", {"*": 0}, None),
     ("a default of null", {"*": None}, None),
     ("a default of a string", {"*": "bridge"}, None),

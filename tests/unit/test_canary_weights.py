@@ -146,13 +146,16 @@ def test_bad_weights_name_the_option_and_the_class(value, names):
     assert names in str(raised.value)
 
 
-def test_only_one_level_may_be_partial():
-    with pytest.raises(ConfigError, match="Mail: only one level may be below 100"):
+def test_only_one_level_may_be_shared():
+    with pytest.raises(ConfigError, match="Mail: only one level may be shared at a time"):
         parse_weights({"Mail": {"bridge": 50, "native": 50}})
     with pytest.raises(ConfigError, match="only one level"):
-        parse_weights({"Mail": {"native": 0, "ramp": {"level": "bridge", "steps": [5]}}})
-    # Both levels at 0 or 100 with one partial is fine: one level shares the class.
+        parse_weights({"Mail": {"native": 20, "ramp": {"level": "bridge", "steps": [5]}}})
+    # One level shared, the other at 0 or 100: one level shares the class.
     assert parse_weights({"Mail": {"bridge": 100, "native": 20}})["Mail"].native == 2000
+    assert parse_weights({"Mail": {"bridge": 0, "native": 20}})["Mail"].native == 2000
+    ramped = parse_weights({"Mail": {"native": 0, "ramp": {"level": "bridge", "steps": [5]}}})
+    assert (ramped["Mail"].bridge, ramped["Mail"].native) == (SCALE, 0)
 
 
 def test_php_writes_an_empty_option_as_an_empty_array():
@@ -165,10 +168,17 @@ def test_php_writes_an_empty_option_as_an_empty_array():
 
 
 @pytest.mark.parametrize("entry", [{}, []])  # `bin/config set '{"X": {}}'` stores {"X":[]}
-def test_a_class_with_no_weights_is_wholly_new(entry):
-    canary = canary_of({"*": {"bridge": 0}, "X": entry}, None)
-    assert canary.weight("X", BRIDGE) == canary.weight("X", NATIVE) == SCALE
-    assert canary.weight("Other", BRIDGE) == 0 and canary.named == ["X"]
+def test_a_level_left_out_is_the_defaults(entry):
+    canary = canary_of({"*": {"bridge": 0}, "X": entry, "Y": {"native": 50}}, None)
+    assert (canary.weight("X", BRIDGE), canary.weight("X", NATIVE)) == (0, SCALE)
+    # Named at the native level only, Y stays with phd: a share of nothing, yet.
+    assert (canary.weight("Y", BRIDGE), canary.weight("Y", NATIVE)) == (0, 5000)
+    assert canary.weight("Other", BRIDGE) == 0 and canary.named == ["X", "Y"]
+    # A ramp's own level starts from its first step, whatever the default says.
+    ramped = canary_of({"*": {"bridge": 0}, "Z": {"ramp": {"level": "bridge", "steps": [5]}}}, None)
+    assert ramped.weight("Z", BRIDGE) == 500
+    # Without a default, a level left out is 100: `{}` is the class wholly new.
+    assert canary_of({"X": entry}, None).weight("X", BRIDGE) == SCALE
 
 
 def test_decimals_are_basis_points():
