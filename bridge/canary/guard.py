@@ -314,7 +314,7 @@ def _ramp(store: CanaryStore, canary: Canary, task_class: str, level: str, now: 
     """The ramp's next step when the current one was held its dwell; None otherwise."""
     ramp = canary.configured(task_class).ramp
     seen = canary.state.of(task_class, level)
-    if ramp is None or ramp.level != level or seen.rolled_back:
+    if ramp is None or ramp.level != level or seen.rolled_back or seen.paused:
         return None
     if seen.step_since is None:  # first sight of this step: its dwell starts now
 

@@ -222,6 +222,24 @@ class CanaryStore:
         parse_weights(decode_weights(raw))
         self._write(OPTION, lambda _raw: raw)
 
+    def edit_weights(self, change: Callable[[Any], dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
+        """Apply ``change`` to the operator's option (its value as PHP decodes it) in one
+        transaction, the row locked FOR UPDATE, so that neither a concurrent edit nor a
+        ``bin/config set`` is lost; ``change`` raises ConfigError to refuse, as does a
+        value refused as it stands (``bin/config set`` fixes that). Returns the value
+        before and after; no ``config_transaction`` row, so phd's daemons stay up."""
+        result: list[tuple[Any, dict[str, Any]]] = []
+
+        def rewrite(raw: str | None) -> str | None:
+            before = decode_weights(raw)
+            parse_weights(before)
+            after = change(before)
+            result[:] = [(before, after)]
+            return None if after == before else encode(after)
+
+        self._write(OPTION, rewrite)
+        return result[0]
+
     def change_state(self, change: Callable[[CanaryState], CanaryState]) -> CanaryState:
         """Apply ``change`` to the state in one transaction, the row locked FOR UPDATE
         (inserted when absent), so two writers never lose each other's change. ``change``

@@ -189,6 +189,46 @@ def parse_weights(value: Any) -> dict[str, ClassWeights]:
     }
 
 
+def with_weight(value: Any, task_class: str, level: str, weight: float) -> dict[str, Any]:
+    """The option's value (decoded JSON) with ``task_class`` at ``weight`` percent at
+    ``level``, every other class and level as it was; raises ConfigError naming what
+    cannot be honoured (a ramp owns that level; or the result is not valid weights)."""
+    current = dict(_as_object(value)) if value is not None else {}
+    entry = dict(_object(current.get(task_class)) or {})
+    ramp = _object(entry.get("ramp"))
+    if ramp is not None and ramp.get("level") == level:
+        raise ConfigError(
+            OPTION, f"{task_class}: its ramp sets the {level} weight (unset it first)"
+        )
+    entry[level] = int(weight) if float(weight).is_integer() else weight
+    changed = {**current, task_class: entry}
+    parse_weights(changed)
+    return changed
+
+
+def without_weight(value: Any, task_class: str, level: str | None) -> dict[str, Any]:
+    """The option's value without ``task_class``'s weight (and ramp) at ``level``, or
+    without its entry (``level`` None): it then has the ``"*"`` entry's weights. Raises
+    ConfigError when the option does not name it so."""
+    current = dict(_as_object(value)) if value is not None else {}
+    entry = _object(current.get(task_class))
+    if entry is None:
+        raise ConfigError(OPTION, f"{task_class}: not named")
+    kept = dict(entry)
+    if level is not None:
+        ramp = _object(kept.get("ramp"))
+        if level not in kept and (ramp is None or ramp.get("level") != level):
+            raise ConfigError(OPTION, f"{task_class}: no {level} weight is set")
+        kept.pop(level, None)
+        if ramp is not None and ramp.get("level") == level:
+            del kept["ramp"]
+    changed = {k: v for k, v in current.items() if k != task_class}
+    if level is not None and kept:
+        changed[task_class] = kept
+    parse_weights(changed)
+    return changed
+
+
 @dataclass(frozen=True)
 class LevelState:
     """What the bridge decided for one class and level: rolled back (since when, why),
@@ -198,6 +238,7 @@ class LevelState:
     reason: str = ""
     step: int = 0
     step_since: int | None = None
+    paused: bool = False  # an operator's pause: the guard holds the ramp at its step
 
     @property
     def rolled_back(self) -> bool:
@@ -264,12 +305,20 @@ class CanaryState:
             raise TypeError(f"step: expected an integer from 0, got {step!r}")
         rolled_back = entry.get("rolled_back")
         since = {} if rolled_back is None else _as_object(rolled_back)
-        return LevelState(since.get("at"), since.get("reason", ""), step, entry.get("step_since"))
+        return LevelState(
+            since.get("at"),
+            since.get("reason", ""),
+            step,
+            entry.get("step_since"),
+            entry.get("paused") is True,
+        )
 
     def to_json(self) -> dict[str, Any]:
         classes: dict[str, dict[str, Any]] = {}
         for (name, level), state in sorted(self.levels.items()):
             entry: dict[str, Any] = {"step": state.step, "step_since": state.step_since}
+            if state.paused:
+                entry["paused"] = True
             if state.rolled_back:
                 entry["rolled_back"] = {"at": state.rolled_back_at, "reason": state.reason}
             classes.setdefault(name, {})[level] = entry
@@ -319,6 +368,15 @@ class CanaryState:
         return self._with(
             task_class, level, state, Event(at, task_class, level, "promote", weight, reason)
         )
+
+    def with_pause(
+        self, task_class: str, level: str, at: int, paused: bool, weight: float, reason: str = ""
+    ) -> CanaryState:
+        """The ramp held at its step (``paused``), or going on from it: its dwell starts
+        again at ``at``, so a resumed ramp does not step at once."""
+        state = replace(self.of(task_class, level), paused=paused, step_since=at)
+        event = Event(at, task_class, level, "pause" if paused else "resume", weight, reason)
+        return self._with(task_class, level, state, event)
 
     def with_step(
         self,

@@ -1,14 +1,16 @@
 """``phorge-bridge canary``: the gray migration's weights, rollbacks and figures.
 
 The operator sets the weights with Phorge's ``./bin/config set --database
-phorge-bridge.canary '<json>'``; these verbs show them, roll a class back or promote it
-(``phorge-bridge.canary-state``, the row the guard writes too), and put both sides'
-archived runs side by side.
+phorge-bridge.canary '<json>'`` or, one class and level at a time, ``canary set`` and
+``unset``; these verbs show them, roll a class back or promote it, pause or resume its
+ramp (``phorge-bridge.canary-state``, the row the guard writes too), and put both
+sides' archived runs side by side.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -28,7 +30,10 @@ from bridge.canary.weights import (
     Canary,
     CanaryState,
     Event,
+    parse_weights,
     percent,
+    with_weight,
+    without_weight,
 )
 from bridge.cli.tasks import stamp
 from bridge.config import ConfigError, Settings, load_settings
@@ -54,6 +59,16 @@ class Context:
             return self.store.read()
         except ConfigError as exc:
             raise click.ClickException(f"{exc} (in {self.store.table_name})") from None
+
+    def edit(self, change: Callable[[Any], dict[str, Any]]) -> tuple[Canary, Canary]:
+        """The weights edited by ``change`` in place (see ``CanaryStore.edit_weights``);
+        returns the canary before and after. A refusal is one line."""
+        state = self.read().state
+        try:
+            before, after = self.store.edit_weights(change)
+        except ConfigError as exc:
+            raise click.ClickException(f"{exc} (in {self.store.table_name})") from None
+        return Canary(parse_weights(before), state), Canary(parse_weights(after), state)
 
     def now(self) -> int:
         with self.engine.connect() as conn:
@@ -115,7 +130,8 @@ def ramp_text(canary: Canary, task_class: str, level: str, now: int) -> str:
     state = canary.state.of(task_class, level)
     step = min(state.step, len(ramp.steps) - 1)
     since = f" since {stamp(state.step_since, now)}" if state.step_since else ""
-    return f"step {step + 1}/{len(ramp.steps)} ({pct(ramp.steps[step])}){since}"
+    paused = ", paused" if state.paused else ""
+    return f"step {step + 1}/{len(ramp.steps)} ({pct(ramp.steps[step])}){since}{paused}"
 
 
 def rollback_text(canary: Canary, task_class: str, level: str, now: int) -> str:
@@ -138,6 +154,7 @@ def level_json(canary: Canary, task_class: str, level: str) -> dict[str, Any]:
             "dwell": ramp.dwell,
             "step": state.step,
             "step_since": state.step_since,
+            "paused": state.paused,
         },
         "rolled_back": {"at": state.rolled_back_at, "reason": state.reason}
         if state.rolled_back
@@ -216,12 +233,14 @@ def status(task_class: str | None, as_json: bool) -> None:
     click.echo(f"every other class: {others}")
 
 
+LEVEL_HELP = "bridge (phd against the bridge) or native (PHP against a native handler)"
+
+
 def level_option(command: Any) -> Any:
     return click.option(
         "--level",
         type=click.Choice(LEVELS),
-        help="bridge (phd against the bridge) or native (PHP against a native handler); "
-        "default: the level the class is shared at, else bridge.",
+        help=f"{LEVEL_HELP}; default: the level the class is shared at, else bridge.",
     )(command)
 
 
@@ -298,6 +317,91 @@ def promote(task_class: str, level: str | None, reason: str) -> None:
             + f"; the new side runs {effective} of it"
         )
     click.echo(f"promoted {task_class} ({level}): {what}, new side at {effective}")
+
+
+def edited(before: Canary, after: Canary, task_class: str, levels: tuple[str, ...]) -> None:
+    """Say what an edit did to ``task_class``'s weights in force at ``levels``."""
+    for level in levels:
+        was, now = pct(before.weight(task_class, level)), pct(after.weight(task_class, level))
+        line = f"{task_class} ({level}): new side at {now} (was {was})"
+        if after.state.of(task_class, level).rolled_back:
+            line += f"; rolled back: `phorge-bridge canary promote {task_class} --level {level}`"
+            line += " applies it"
+        click.echo(line)
+
+
+@canary.command(name="set")
+@click.argument("task_class", metavar="CLASS")
+@click.argument("weight", metavar="PERCENT", type=click.FloatRange(0, 100))
+@click.option(
+    "--level", type=click.Choice(LEVELS), default=BRIDGE, show_default=True, help=LEVEL_HELP
+)
+def set_weight(task_class: str, weight: float, level: str) -> None:
+    """Run PERCENT of CLASS's tasks on the new side of the level. Every other class and
+    level stays as it is (`bin/config set` replaces the whole option); a concurrent
+    change is not lost, and phd's daemons are not restarted."""
+    ctx = Context()
+    before, after = ctx.edit(lambda value: with_weight(value, task_class, level, weight))
+    edited(before, after, task_class, (level,))
+
+
+@canary.command()
+@click.argument("task_class", metavar="CLASS")
+@click.option(
+    "--level",
+    type=click.Choice(LEVELS),
+    help="Only this level's weight (or ramp); default: the class's whole entry.",
+)
+def unset(task_class: str, level: str | None) -> None:
+    """Forget CLASS's weights (or one level's): it then has the "*" entry's."""
+    ctx = Context()
+    before, after = ctx.edit(lambda value: without_weight(value, task_class, level))
+    edited(before, after, task_class, (level,) if level else LEVELS)
+
+
+def hold_ramp(task_class: str, level: str | None, paused: bool) -> None:
+    """Pause or resume CLASS's ramp at the level."""
+    ctx = Context()
+    current = ctx.read()
+    ctx.known(current, task_class)
+    level = level or default_level(current, task_class)
+    verb = "pause" if paused else "resume"
+    ramp = current.configured(task_class).ramp
+    if ramp is None or ramp.level != level:
+        raise click.ClickException(f"{task_class} has no ramp at the {level} level to {verb}")
+    if current.state.of(task_class, level).paused == paused:
+        raise click.ClickException(
+            f"{task_class} ({level}): its ramp is {'already' if paused else 'not'} paused"
+        )
+    now = ctx.now()
+    weight = percent(current.weight(task_class, level))
+
+    def change(state: CanaryState) -> CanaryState:
+        if state.of(task_class, level).paused == paused:
+            return state
+        return state.with_pause(task_class, level, now, paused, weight, f"{verb}d by an operator")
+
+    after = Canary(current.weights, ctx.store.change_state(change))
+    click.echo(
+        f"{verb}d the ramp of {task_class} ({level}): {ramp_text(after, task_class, level, now)}"
+    )
+
+
+@canary.command()
+@click.argument("task_class", metavar="CLASS")
+@level_option
+def pause(task_class: str, level: str | None) -> None:
+    """Hold CLASS's ramp at its step: the guard still judges it and rolls it back, but
+    steps it no further until `canary resume`."""
+    hold_ramp(task_class, level, paused=True)
+
+
+@canary.command()
+@click.argument("task_class", metavar="CLASS")
+@level_option
+def resume(task_class: str, level: str | None) -> None:
+    """Let CLASS's paused ramp go on: its next step comes a whole dwell from now."""
+    hold_ramp(task_class, level, paused=False)
 
 
 def side_json(side: SideStats) -> dict[str, Any]:

@@ -7,14 +7,16 @@ import itertools
 import json
 import re
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from services import url_of
 
-from bridge.canary.store import CanaryStore
-from bridge.canary.weights import BRIDGE, NATIVE
+from bridge.canary.store import CanaryStore, decode_weights
+from bridge.canary.weights import BRIDGE, NATIVE, OPTION, with_weight
 from bridge.cli import doctor as checks
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.schema import worker_archivetask as archive
@@ -288,3 +290,86 @@ def test_doctor_fails_while_the_account_may_not_read_the_weights(
     finally:
         with mysql_server.begin() as conn:
             conn.exec_driver_sql(f"DROP USER '{name}'@'127.0.0.1'")
+
+
+def raw_weights(store: CanaryStore) -> Any:
+    """The option as its row holds it, decoded as PHP decodes it."""
+    return decode_weights(store.read_values()[OPTION])
+
+
+def test_set_and_unset_change_one_class_and_level_and_keep_the_rest(cli):
+    invoke, store = cli
+    assert invoke("canary", "set", MAIL, "25") == (f"{MAIL} (bridge): new side at 25% (was 5%)\n")
+    assert invoke("canary", "set", "HeraldWebhookWorker", "12.5", "--level", "native") == (
+        "HeraldWebhookWorker (native): new side at 12.5% (was 100%)\n"
+    )
+    assert raw_weights(store) == {
+        **WEIGHTS,
+        MAIL: {"bridge": 25},
+        "HeraldWebhookWorker": {"native": 12.5},
+    }
+    # Left out, a class's bridge level is the default's: naming it at native kept it on phd.
+    assert store.read().weight("HeraldWebhookWorker", BRIDGE) == 0
+    assert invoke("canary", "unset", MAIL) == (
+        f"{MAIL} (bridge): new side at 0% (was 25%)\n{MAIL} (native): new side at 100% (was 100%)\n"
+    )
+    invoke("canary", "unset", FEED, "--level", "native")
+    assert raw_weights(store)[FEED] == {"bridge": 100}
+    assert MAIL not in raw_weights(store)
+
+
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        ((FEED, "50"), f"{FEED}: only one level may be shared at a time"),
+        (("*", "50"), "*: the default weights are 0 or 100, without a ramp"),
+        ((RAMPED, "50"), f"{RAMPED}: its ramp sets the bridge weight (unset it first)"),
+    ],
+)
+def test_set_refuses_in_one_line_what_cannot_be_honoured(cli, args, refusal):
+    invoke, store = cli
+    before = store.read_values()
+    out = invoke("canary", "set", *args, code=1)
+    assert out == f"Error: phorge-bridge.canary: {refusal} (in config_entry)\n"
+    assert store.read_values() == before
+    assert "Error: phorge-bridge.canary: Nobody: not named" in invoke(
+        "canary", "unset", "Nobody", code=1
+    )
+    assert "is not in the range 0<=x<=100" in invoke("canary", "set", MAIL, "101", code=2)
+
+
+def test_concurrent_edits_lose_nothing(cli, mysql_engine):
+    """Edits of different classes from two processes' worth of threads, each a read,
+    a change and a write: every one of them is in the option afterwards."""
+    _, store = cli
+    classes = [f"Class{n}" for n in range(20)]
+
+    def edit(task_class: str) -> None:
+        other = CanaryStore(make_engine(url_of(mysql_engine)), None)
+        other.edit_weights(lambda value: with_weight(value, task_class, BRIDGE, 1))
+        other.engine.dispose()
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(edit, classes))
+    assert {c: raw_weights(store)[c] for c in classes} == {c: {"bridge": 1} for c in classes}
+    assert raw_weights(store)[MAIL] == WEIGHTS[MAIL]
+
+
+def test_pause_holds_a_ramp_and_resume_restarts_its_dwell(cli):
+    invoke, store = cli
+    out = invoke("canary", "pause", RAMPED)
+    assert out.startswith(f"paused the ramp of {RAMPED} (bridge): step 1/3 (1%) since ")
+    assert out.endswith(", paused\n")
+    assert store.read().state.of(RAMPED, BRIDGE).paused
+    assert invoke("canary", "pause", RAMPED, code=1) == (
+        f"Error: {RAMPED} (bridge): its ramp is already paused\n"
+    )
+    assert "ramp 1,5,100% (dwell 600 s)" in invoke("canary", "status", RAMPED)
+    assert status_rows(invoke("canary", "status", RAMPED))[RAMPED, BRIDGE][2].endswith(", paused")
+    out = invoke("canary", "resume", RAMPED)
+    assert out.startswith(f"resumed the ramp of {RAMPED} (bridge): step 1/3 (1%) since ")
+    assert not store.read().state.of(RAMPED, BRIDGE).paused
+    assert [e.event for e in store.read().state.history] == ["pause", "resume"]
+    assert invoke("canary", "pause", MAIL, code=1) == (
+        f"Error: {MAIL} has no ramp at the bridge level to pause\n"
+    )

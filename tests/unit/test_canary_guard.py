@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from bridge.canary import guard
+from bridge.canary import sql as canary_sql
 from bridge.canary.guard import (
     Bounds,
     SideStats,
@@ -380,6 +381,24 @@ def test_a_quiet_ramp_steps_after_each_dwell(db):
     # At 100% the class is no longer shared: the ramp is done.
     backdate(store, 600)
     assert guard_once(store, engine, settings, Suspicions(1)) == []
+
+
+def test_a_paused_ramp_holds_its_step_until_resumed_and_a_whole_dwell(db):
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights(RAMP)
+    assert guard_once(store, engine, settings, Suspicions(1)) == []  # its dwell starts
+    store.change_state(lambda state: state.with_pause("C", NATIVE, 1, True, 1.0))
+    backdate(store, 600)
+    assert guard_once(store, engine, settings, Suspicions(1)) == []
+    assert store.read().weight("C", NATIVE) == 100
+    with engine.connect() as conn:
+        now = int(conn.execute(canary_sql.server_time()).scalar_one())
+    store.change_state(lambda state: state.with_pause("C", NATIVE, now, False, 1.0))
+    assert guard_once(store, engine, settings, Suspicions(1)) == []  # resumed: 0 s of 60
+    backdate(store, 60)
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (native) 5%"]
+    assert [e.event for e in store.read().state.history] == ["pause", "resume", "step"]
 
 
 def test_a_ramp_with_a_bad_new_side_is_rolled_back_not_stepped(db):

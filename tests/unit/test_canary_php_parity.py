@@ -123,6 +123,11 @@ CASES: list[tuple[str, Any, Any]] = [
     ("a default with no weights", {"*": {}, "A": []}, None),
     ("a default of both levels at 0", {"*": {"bridge": 0, "native": 0}}, None),
     (
+        "a paused ramp",
+        {"D": {"ramp": {"level": "bridge", "steps": [5, 50]}}},
+        state_of({"D": {"bridge": {"step": 1, "step_since": 1, "paused": True}}}),
+    ),
+    (
         "a level at 0 beside a ramp",
         {"A": {"native": 0, "ramp": {"level": "bridge", "steps": [5]}}},
         None,

@@ -228,18 +228,22 @@ def test_the_state_round_trips_through_json():
         .with_promotion("A", NATIVE, 300, 20.0, "fixed in 1.2")
         .with_rollback("B", BRIDGE, 400, "slow")
         .with_step("B", BRIDGE, 500, 2, 25.0, "by hand", event="promote")
+        .with_pause("B", BRIDGE, 600, True, 25.0)
     )
     text = json.dumps(state.to_json())
     assert CanaryState.from_json(json.loads(text)) == state
     value = json.loads(text)
     assert value["classes"]["B"]["bridge"]["rolled_back"] == {"at": 400, "reason": "slow"}
     assert "rolled_back" not in value["classes"]["A"]["native"]
+    assert value["classes"]["B"]["bridge"]["paused"] is True
+    assert "paused" not in value["classes"]["A"]["native"]  # absent unless paused
     assert [e["event"] for e in value["history"]] == [
         "rollback",
         "step",
         "promote",
         "rollback",
         "promote",
+        "pause",
     ]
     assert value["history"][0] == {
         "at": 100,
