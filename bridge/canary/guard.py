@@ -2,7 +2,7 @@
 and the rollback (or the next ramp step) that follows.
 
 Both sides archive their runs in ``worker_archivetask``, and each row's lease owner
-names who ran it (``weights.label_of``). Over the window (the last ``seconds``, cut
+names who ran it (``model.label_of``). Over the window (the last ``seconds``, cut
 short for both sides at once when the new side has ``max_runs`` runs or the old side
 four times that), an archived row counts ``1 + failureCount`` runs: its earlier,
 temporary failures and its last run (a success, or a permanent failure; a cancelled
@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from bridge.canary import sql
 from bridge.canary.significance import excess_failures_p
@@ -42,11 +42,10 @@ from bridge.canary.weights import (
     PHD,
     Canary,
     CanaryState,
-    label_of,
     percent,
     side_of,
 )
-from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS
+from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS, label_of
 from bridge.queue.phorge_queue import named_lock
 
 if TYPE_CHECKING:
@@ -116,20 +115,25 @@ class _Tally:
         return self.runs >= self.full_at
 
     def archived(self, failure_count: int, result: int, duration: int, label: str) -> None:
-        self.implementations.add(label)
-        self.runs += failure_count
-        self.temporary += failure_count
+        self.archived_rows(1, failure_count, result, label)
         if result == RESULT_SUCCESS:
-            self.runs += 1
-            self.successes += 1
             self.durations.append(duration / MICROSECONDS)
-        elif result == RESULT_FAILURE:
-            self.runs += 1
-            self.permanent += 1
 
-    def fell_back(self) -> None:
-        self.runs += 1
-        self.fallbacks += 1
+    def archived_rows(self, rows: int, failures: int, result: int, label: str) -> None:
+        """``rows`` archive rows of one result, with ``failures`` earlier failures."""
+        self.implementations.add(label)
+        self.runs += failures
+        self.temporary += failures
+        if result == RESULT_SUCCESS:
+            self.runs += rows
+            self.successes += rows
+        elif result == RESULT_FAILURE:
+            self.runs += rows
+            self.permanent += rows
+
+    def fell_back(self, rows: int = 1) -> None:
+        self.runs += rows
+        self.fallbacks += rows
 
     def failed_for_now(self, failure_count: int, label: str) -> None:
         """An active row's temporary failures, its retry still to come."""
@@ -174,14 +178,39 @@ def read_window(engine: Engine, task_class: str, level: str, seconds: int, max_r
                 break
             before = (rows[-1].dateModified, rows[-1].id)
         start = now - seconds if since is None else since
-        for row in conn.execute(sql.failed_in_window(task_class, start)).all():
-            label = label_of(row.leaseOwner)
-            if row.failureCount == 0:  # only a fallback leaves a failure time and no count
-                new.fell_back()
-            else:
-                tally = new if side_of(level, label) == NEW else old
-                tally.failed_for_now(row.failureCount, label or PHD)
+        _failing(conn, new, old, task_class, level, start)
     return Window(task_class, level, now - start, new.stats(), old.stats())
+
+
+def summed_window(engine: Engine, task_class: str, level: str, seconds: int) -> Window:
+    """The runs of :func:`read_window`, over the whole of the last ``seconds`` (no cut)
+    and summed by the server (a day of runs is one grouped statement), without the
+    durations, which only reading each row would give (``canary report --since``)."""
+    new, old = _Tally(0), _Tally(0)
+    with engine.connect() as conn:
+        now = int(conn.execute(sql.server_time()).scalar_one())
+        for row in conn.execute(sql.summed_runs(task_class, seconds)).all():
+            side, shown = side_of(level, row.label), row.label or PHD
+            if side == FELL_BACK:
+                new.fell_back(row.rows)
+            tally = new if side == NEW else old
+            tally.archived_rows(row.rows, int(row.failures), row.result, shown)
+        _failing(conn, new, old, task_class, level, now - seconds)
+    return Window(task_class, level, seconds, new.stats(), old.stats())
+
+
+def _failing(
+    conn: Connection, new: _Tally, old: _Tally, task_class: str, level: str, start: int
+) -> None:
+    """The active rows that failed since ``start``, onto their sides: a fallback waiting
+    for the old side, a temporary failure waiting for its retry."""
+    for row in conn.execute(sql.failed_in_window(task_class, start)).all():
+        label = label_of(row.leaseOwner)
+        if row.failureCount == 0:  # only a fallback leaves a failure time and no count
+            new.fell_back()
+        else:
+            tally = new if side_of(level, label) == NEW else old
+            tally.failed_for_now(row.failureCount, label or PHD)
 
 
 def _count(new: _Tally, old: _Tally, level: str, row: Any) -> None:

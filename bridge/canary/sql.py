@@ -17,6 +17,7 @@ from sqlalchemy import (
     Table,
     Update,
     and_,
+    func,
     insert,
     literal,
     or_,
@@ -24,7 +25,7 @@ from sqlalchemy import (
     update,
 )
 
-from bridge.queue.dialect import db_now
+from bridge.queue.dialect import db_now, owner_label
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 
@@ -125,6 +126,26 @@ def archived_runs(
         .where(*where)
         .order_by(archive.c.dateModified.desc(), archive.c.id.desc())
         .limit(limit)
+    )
+
+
+def summed_runs(task_class: str, seconds: int) -> Select[Any]:
+    """``task_class``'s archive rows of the last ``seconds`` summed by who ran them and
+    how they ended: rows and their earlier failures per (label, result), so that a day
+    of runs is counted by the server, not read row by row."""
+    label = owner_label(archive.c.leaseOwner)
+    return (
+        select(
+            label.label("label"),
+            archive.c.result,
+            func.count().label("rows"),
+            func.coalesce(func.sum(archive.c.failureCount), 0).label("failures"),
+        )
+        .where(
+            archive.c.dateModified >= db_now() - seconds,
+            archive.c.taskClass == task_class,
+        )
+        .group_by(label, archive.c.result)
     )
 
 

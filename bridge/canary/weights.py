@@ -33,7 +33,7 @@ DEFAULT = "*"  # the key of the weights of every class not named
 DEFAULT_DWELL = 600
 HISTORY_PER_CLASS = 50
 
-# Who ran a task, as the lease owner of its archive row says (``label_of``).
+# Who ran a task, as the lease owner of its archive row says (``model.label_of``).
 PHD, RUNNER, CONDUIT, NATIVE_RUN = "phd", "runner", "conduit", "native"
 IMPLEMENTATIONS = (PHD, RUNNER, CONDUIT, NATIVE_RUN)
 FALLBACK = "-fallback"  # suffix of a run of a row that fell back from the new side
@@ -45,16 +45,6 @@ def bucket(level: str, task_id: int) -> int:
     """The task's place in 0..9999 at ``level``: ``crc32('level:id') % 10000``, the same
     as PHP's ``crc32()`` and MySQL's ``CRC32()``."""
     return zlib.crc32(f"{level}:{task_id}".encode()) % SCALE
-
-
-def label_of(owner: str | None) -> str | None:
-    """The implementation a lease owner names: its fifth field from the end
-    (``phd:pid:epoch:host:seq``, ``bridge:native:pid:epoch:host:seq``); None for owners
-    without one (Phorge's own taskmasters: ``pid:epoch:host:seq``)."""
-    if owner is None:
-        return None
-    fields = owner.split(":")
-    return fields[-5] if len(fields) >= 5 else None
 
 
 def labelled(owner: str, label: str) -> str:

@@ -10,6 +10,7 @@ sides' archived runs side by side.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -18,7 +19,7 @@ import click
 from sqlalchemy import Engine
 
 from bridge.canary import sql
-from bridge.canary.guard import SideStats, Window, read_window
+from bridge.canary.guard import SideStats, Window, read_window, summed_window
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import (
     BRIDGE,
@@ -482,6 +483,21 @@ def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
     return lines
 
 
+SPAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class Span(click.ParamType):
+    """A span of time as an operator types it: ``90``, ``90s``, ``30m``, ``24h``, ``7d``."""
+
+    name = "span"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: Any) -> int:
+        found = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", str(value))
+        if found is None or int(found[1]) == 0:
+            self.fail(f"{value!r} is not a span (90s, 30m, 24h, 7d)", param, ctx)
+        return int(found[1]) * SPAN_UNITS[found[2]]
+
+
 @canary.command()
 @click.argument("task_class", metavar="[CLASS]", required=False)
 @level_option
@@ -490,27 +506,34 @@ def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
     type=click.IntRange(min=1),
     help="Seconds of archived runs (default: BRIDGE_CANARY_WINDOW, what the guard judges).",
 )
+@click.option(
+    "--since",
+    type=Span(),
+    help="Every run of the span instead (24h, 7d), summed by the database: no durations.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
-def report(task_class: str | None, level: str | None, window: int | None, as_json: bool) -> None:
+def report(
+    task_class: str | None, level: str | None, window: int | None, since: int | None, as_json: bool
+) -> None:
     """Both sides of each named class (or CLASS) side by side, over the window: runs,
     success ratio, p50/p99 duration, temporary and permanent failures, fallbacks and
     implementations; then the weight and its history (rollbacks, promotions, steps)."""
+    if window is not None and since is not None:
+        raise click.UsageError("--window and --since are two spans: give one")
     ctx = Context()
     current = ctx.read()
     if task_class is not None:
         ctx.known(current, task_class)
     classes = [task_class] if task_class is not None else current.named
-    seconds = window or ctx.settings.canary_window
+    seconds = since or window or ctx.settings.canary_window
     now = ctx.now()
+    runs = ctx.settings.canary_window_runs
     windows = [
-        read_window(
-            ctx.engine,
-            name,
-            level or default_level(current, name),
-            seconds,
-            ctx.settings.canary_window_runs,
-        )
+        summed_window(ctx.engine, name, lv, seconds)
+        if since
+        else read_window(ctx.engine, name, lv, seconds, runs)
         for name in classes
+        for lv in [level or default_level(current, name)]
     ]
     if as_json:
         shown = []

@@ -10,7 +10,7 @@ import threading
 import zlib
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, Integer, create_engine, event, text
+from sqlalchemy import Connection, Engine, Integer, String, create_engine, event, text
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
@@ -62,6 +62,30 @@ def _sqlite_owner_epoch(element: owner_epoch, compiler: SQLCompiler, **kw: Any) 
 def _mysql_owner_epoch(element: owner_epoch, compiler: SQLCompiler, **kw: Any) -> str:
     owner = compiler.process(element.clauses, **kw)
     return f"CAST(SUBSTRING_INDEX(SUBSTRING_INDEX({owner}, ':', -3), ':', 1) AS UNSIGNED)"
+
+
+class owner_label(FunctionElement[str]):
+    """Who ran a task, read off its lease owner: the fifth field from the end
+    (``phd:pid:epoch:host:seq``, ``bridge:native:pid:epoch:host:seq``), NULL for owners
+    with fewer fields (Phorge's own ``pid:epoch:host:seq``), as ``model.label_of``;
+    SQLite gets that function, registered on connect."""
+
+    type = String()
+    inherit_cache = True
+
+
+@compiles(owner_label)
+def _sqlite_owner_label(element: owner_label, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"owner_label({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(owner_label, "mysql")
+@compiles(owner_label, "mariadb")
+def _mysql_owner_label(element: owner_label, compiler: SQLCompiler, **kw: Any) -> str:
+    owner = compiler.process(element.clauses, **kw)
+    fields = f"LENGTH({owner}) - LENGTH(REPLACE({owner}, ':', '')) + 1"
+    field = f"SUBSTRING_INDEX(SUBSTRING_INDEX({owner}, ':', -5), ':', 1)"
+    return f"(CASE WHEN {fields} >= 5 THEN {field} END)"
 
 
 BUCKETS = 10_000  # a gray migration's buckets (``bridge.canary.weights.SCALE``)
@@ -186,11 +210,12 @@ def _sqlite_pragmas(dbapi_connection: sqlite3.Connection, _record: ConnectionPoo
     # WAL lets readers (the poller, the CLI) run beside one writer; busy_timeout makes
     # concurrent writers wait instead of failing at once. Transactions are begun by
     # ``_sqlite_begin`` instead of pysqlite, so a read-then-write cannot lose its snapshot.
-    from bridge.queue.model import lease_epoch
+    from bridge.queue.model import label_of, lease_epoch
 
     dbapi_connection.isolation_level = None
     dbapi_connection.create_function("owner_epoch", 1, lease_epoch, deterministic=True)
     dbapi_connection.create_function("crc32", 1, _crc32, deterministic=True)
+    dbapi_connection.create_function("owner_label", 1, label_of, deterministic=True)
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA busy_timeout=30000")

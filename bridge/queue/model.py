@@ -262,6 +262,16 @@ def lease_epoch(owner: str | None) -> int | None:
     return int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else None
 
 
+def label_of(owner: str | None) -> str | None:
+    """The implementation a lease owner names: its fifth field from the end
+    (``phd:pid:epoch:host:seq``, ``bridge:native:pid:epoch:host:seq``); None for owners
+    without one (Phorge's own taskmasters: ``pid:epoch:host:seq``)."""
+    if owner is None:
+        return None
+    fields = owner.split(":")
+    return fields[-5] if len(fields) >= 5 else None
+
+
 def state_of(owner: str | None, expires: int | None, failure_time: int | None, now: int) -> State:
     """The state of an active row (the same rule as ``statements.state_case``)."""
     if owner is None:

@@ -40,8 +40,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, make_url
 
 from bridge.canary.guard import read_window
-from bridge.canary.weights import NATIVE, label_of
-from bridge.queue.model import RESULT_SUCCESS
+from bridge.canary.weights import NATIVE
+from bridge.queue.model import RESULT_SUCCESS, label_of
 from bridge.queue.schema import worker_activetask as active
 
 CLASS = "StandinSucceedWorker"  # a PHP class of the stand-in, with a native handler too

@@ -198,6 +198,14 @@ def test_report_shows_both_sides_from_labelled_archive_rows(cli):
     assert entry["rolled_back"]["reason"] == "too slow"
     assert [(e["event"], e["reason"]) for e in entry["history"]] == [("rollback", "too slow")]
 
+    # A day, summed by the server: the row long ago too, and no durations.
+    (day,) = json.loads(invoke("canary", "report", FEED, "--since", "24h", "--json"))["classes"]
+    assert day["window"] == 86_400
+    assert day["new"] == {**entry["new"], "p50": None, "p99": None}
+    assert day["old"]["runs"] == old["runs"]  # dateModified=1 is older than a day too
+    assert "is not a span" in invoke("canary", "report", "--since", "soon", code=2)
+    assert "give one" in invoke("canary", "report", "--since", "1h", "--window", "5", code=2)
+
     text = invoke("canary", "report", FEED).splitlines()
     assert text[0] == f"{FEED} (native level), archived runs of the last 300 s"
     header, new, old_line = (line.split() for line in text[1:4])

@@ -11,7 +11,7 @@ from canary import new_side
 from services import url_of
 from sqlalchemy import BigInteger, select, text, update
 
-from bridge.canary.weights import BRIDGE, NATIVE, SCALE, bucket, canary_of, label_of
+from bridge.canary.weights import BRIDGE, NATIVE, SCALE, bucket, canary_of
 from bridge.config import load_settings
 from bridge.engine.batch import run_task
 from bridge.engine.context import FixedCanary, Runtime
@@ -22,7 +22,7 @@ from bridge.handlers.registry import Registry
 from bridge.queue import Lease, NewTask, Outcome, PhorgeQueue
 from bridge.queue import statements as sql
 from bridge.queue.dialect import bridge_bucket
-from bridge.queue.model import MAX_NAME
+from bridge.queue.model import MAX_NAME, label_of
 from bridge.queue.phorge_queue import RangeSizes
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive

@@ -59,8 +59,8 @@ from bridge.canary.weights import (
     STATE_OPTION,
     LevelState,
     bucket,
-    label_of,
 )
+from bridge.queue.model import label_of
 
 HALF = SCALE // 2
 EDITS = 20

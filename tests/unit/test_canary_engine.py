@@ -25,7 +25,6 @@ from bridge.canary.weights import (
     SCALE,
     bucket,
     canary_of,
-    label_of,
 )
 from bridge.config import load_settings
 from bridge.engine.batch import Batch, run_task
@@ -47,6 +46,7 @@ from bridge.queue.model import (
 from bridge.queue.model import (
     MAX_NAME,
     Leased,
+    label_of,
     lease_epoch,
     new_owner,
 )

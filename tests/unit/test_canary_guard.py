@@ -20,6 +20,7 @@ from bridge.canary.guard import (
     Window,
     guard_once,
     read_window,
+    summed_window,
     verdict,
 )
 from bridge.canary.store import CanaryStore
@@ -181,6 +182,35 @@ def archived(
 
 def owner(label: str) -> str:
     return f"bridge:{label}:100:{int(time.time())}:host:1"
+
+
+@pytest.mark.parametrize("level", [NATIVE, BRIDGE])
+def test_a_summed_span_counts_what_reading_each_row_counts(engine, level):
+    """``canary report --since``'s grouped statement against the row-by-row window, on
+    SQLite and MariaDB: the same runs per side, without durations."""
+    engine = make_engine(engine.url.render_as_string(hide_password=False))  # SQLite's functions
+    phorge = "4242:1700000000:web01:3"  # Phorge's own taskmaster: no label
+    for label, extra in [
+        ("native", {"count": 4}),
+        ("native", {"failures": 2}),
+        ("runner", {"count": 3}),
+        ("runner", {"failures": 1, "result": 1}),
+        ("runner-fallback", {"count": 2}),
+        ("phd-fallback", {}),
+        ("runner", {"result": 2}),
+        ("runner", {"count": 5, "age": 1000}),
+        ("native", {"count": 5, "task_class": "Other"}),
+    ]:
+        archived(engine, owner(label), **extra)
+    archived(engine, phorge, count=2)
+    archived(engine, "phd:1:1700000000:host:2", failures=1)
+    failed_rows(engine, None, 2, failures=0)  # fell back, waiting for the old side
+    failed_rows(engine, owner("runner"), 1)  # failed on the old side, waiting for its retry
+    each = read_window(engine, "C", level, 300, 500)
+    summed = summed_window(engine, "C", level, 300)
+    for side in ("new", "old"):
+        assert getattr(summed, side) == replace(getattr(each, side), p50=None, p99=None), side
+    assert each.new.runs and each.old.runs
 
 
 def test_the_window_splits_the_rows_by_label(db):

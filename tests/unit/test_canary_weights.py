@@ -26,13 +26,13 @@ from bridge.canary.weights import (
     LevelState,
     bucket,
     canary_of,
-    label_of,
     labelled,
     parse_weights,
     percent,
     side_of,
 )
 from bridge.errors import ConfigError
+from bridge.queue.model import label_of
 
 IDS = range(1, 10_001)
 
