@@ -486,16 +486,14 @@ def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
 SPAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-class Span(click.ParamType):
+def span(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
     """A span of time as an operator types it: ``90``, ``90s``, ``30m``, ``24h``, ``7d``."""
-
-    name = "span"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: Any) -> int:
-        found = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", str(value))
-        if found is None or int(found[1]) == 0:
-            self.fail(f"{value!r} is not a span (90s, 30m, 24h, 7d)", param, ctx)
-        return int(found[1]) * SPAN_UNITS[found[2]]
+    if value is None:
+        return None
+    found = re.fullmatch(r"\s*(\d+)\s*([smhd]?)\s*", value)
+    if found is None or int(found[1]) == 0:
+        raise click.BadParameter(f"{value!r} is not a span (90s, 30m, 24h, 7d)")
+    return int(found[1]) * SPAN_UNITS[found[2]]
 
 
 @canary.command()
@@ -508,7 +506,7 @@ class Span(click.ParamType):
 )
 @click.option(
     "--since",
-    type=Span(),
+    callback=span,
     help="Every run of the span instead (24h, 7d), summed by the database: no durations.",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
