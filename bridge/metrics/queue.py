@@ -1,17 +1,21 @@
 """The Phorge queue's depth, age and pace per Celery queue, read at each scrape.
 
 What an autoscaler needs (docs/operations.md, "Scaling by queue"): the served tasks due
-and dispatched per queue, the oldest of each, and each queue's pace.
+and dispatched per queue, the oldest of each, and each queue's pace. Under a gray
+migration these count only the share the bridge takes; phd's share is served per class
+apart, so that a share nobody takes is seen too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 
+from bridge.canary.weights import BRIDGE, Canary
+from bridge.engine.context import CanarySource, FixedCanary
 from bridge.engine.pace import MIN_COST, WINDOW, Pace
 from bridge.handlers.registry import Registry
 from bridge.queue.beat_lock import beat_lock_holder
@@ -48,11 +52,24 @@ def figures_by_queue(
     """``PhorgeQueue.ages`` summed per Celery queue, the served classes only (every queue
     of ``router`` present, at zero when idle)."""
     figures = {queue: QueueFigures() for queue in router.queues}
-    for task_class, state, count, due_since, leased_at in rows:
+    for task_class, state, count, due_since, leased_at, _ours in rows:
         if task_class in served:
             queue = figures.setdefault(router.queue_for(task_class), QueueFigures())
             queue.add(state, count, due_since, leased_at, now)
     return figures
+
+
+def split_shares(rows: Sequence[Any], canary: Canary) -> tuple[list[Any], list[Any]]:
+    """``PhorgeQueue.ages`` rows as the bridge's and phd's under ``canary``: a class at
+    bridge weight 0 is wholly phd's, a shared one by the rows' ``ours``."""
+    if not canary.active:
+        return list(rows), []
+    bridges: list[Any] = []
+    phds: list[Any] = []
+    for row in rows:
+        mine = row.ours and canary.weight(row.taskClass, BRIDGE) > 0
+        (bridges if mine else phds).append(row)
+    return bridges, phds
 
 
 class QueueCollector:
@@ -86,14 +103,17 @@ class QueueCollector:
         owner_prefix: str = "bridge",
         *,
         fleet: Callable[[str], bool] | None = None,
+        canary: CanarySource | None = None,
     ) -> None:
         """A queue's figures count the classes this process serves, those a rule of
         ``router`` routes (their queue's workers serve them, even scaled to zero), and
         those ``fleet`` says another worker serves (a control worker without PHP counts
-        the PHP workers' rows)."""
+        the PHP workers' rows); of a class shared with phd under ``canary``'s weights,
+        only the bridge's share (phd's is served apart, per class)."""
         self.queue, self.registry, self.router = queue, registry, router
         self.owner_prefix = owner_prefix
         self.fleet = fleet
+        self.canary = canary or FixedCanary()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         stats = self.queue.stats()
@@ -106,7 +126,9 @@ class QueueCollector:
             for state, count in states.items():
                 tasks.add_metric([task_class, state], count)
         yield tasks
-        rows = self.queue.ages(stats.server_time)
+        canary = self.canary.current()
+        shares = {name: w for name, level, w in canary.partial() if level == BRIDGE}
+        rows, phds = split_shares(self.queue.ages(stats.server_time, shares), canary)
         classes = {row[0] for row in rows}
         served = set(self.registry.runnable(classes))
         served.update(c for c in classes if self.router.routed(c))
@@ -119,6 +141,8 @@ class QueueCollector:
                 family.add_metric([queue], getattr(figure, field))
             yield family
         yield from self.paces(served, figures)
+        if canary.active:
+            yield from self.phds_share(phds, stats.server_time)
         if is_mysql(self.queue.engine):  # SQLite runs one beat, in the worker's host
             beat = GaugeMetricFamily(
                 "phorge_bridge_beat_running",
@@ -128,6 +152,29 @@ class QueueCollector:
                 [], int(beat_lock_holder(self.queue.engine, self.owner_prefix) is not None)
             )
             yield beat
+
+    def phds_share(self, rows: Iterable[Any], now: int) -> Iterator[GaugeMetricFamily]:
+        """The due rows the weights give phd, per class: what only a
+        ``PhorgeBridgeQueueDaemon`` takes (the alert PhorgeBridgePhdShareStalled)."""
+        due = GaugeMetricFamily(
+            "phorge_bridge_phd_share_due_tasks",
+            "Tasks due that the gray migration's weights give phd (not the bridge's backlog)",
+            labels=["task_class"],
+        )
+        oldest = GaugeMetricFamily(
+            "phorge_bridge_phd_share_oldest_due_seconds",
+            "How long the task of phd's share due the longest has waited for phd",
+            labels=["task_class"],
+        )
+        by_class: dict[str, QueueFigures] = {}
+        for task_class, state, count, due_since, leased_at, _ours in rows:
+            figures = by_class.setdefault(task_class, QueueFigures())
+            figures.add(state, count, due_since, leased_at, now)
+        for task_class, figures in sorted(by_class.items()):
+            due.add_metric([task_class], figures.due)
+            oldest.add_metric([task_class], figures.oldest_due)
+        yield due
+        yield oldest
 
     def paces(self, served: Collection[str], queues: Iterable[str]) -> Iterator[GaugeMetricFamily]:
         """Each queue's pace (``bridge.engine.pace``, from its archived runs of the last

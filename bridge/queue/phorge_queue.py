@@ -433,11 +433,12 @@ class PhorgeQueue:
                 tasks += [_task(row, archived=True) for row in conn.execute(query)]
         return tasks if selector.limit is None else tasks[: selector.limit]
 
-    def ages(self, now: int) -> Sequence[Any]:
-        """Active rows per (class, state) with their count, since when the first was due
-        and when the first was leased (``statements.active_ages``): the queue gauges."""
+    def ages(self, now: int, shares: Mapping[str, int] | None = None) -> Sequence[Any]:
+        """Active rows per (class, state, whose) with their count, since when the first
+        was due and when the first was leased (``statements.active_ages``; ``shares``:
+        the bridge's weight of each class it shares with phd): the queue gauges."""
         with self.engine.connect() as conn:
-            return list(conn.execute(sql.active_ages(now)))
+            return list(conn.execute(sql.active_ages(now, shares)))
 
     def stats(self, archived_window: int = 3600) -> QueueStats:
         """Counts per class and state, archived counts of the last window, oldest queued age.

@@ -694,18 +694,37 @@ def count_active_by_class_and_state(now: int) -> Select[Any]:
     )
 
 
-def active_ages(now: int) -> Select[Any]:
-    """Active rows per (class, state): count, since when the first was due (its lease
-    expiry, else its creation), when the first was leased (its owner's epoch)."""
+def active_ages(now: int, shares: Mapping[str, int] | None = None) -> Select[Any]:
+    """Active rows per (class, state, whose): count, since when the first was due (its
+    lease expiry, else its creation), when the first was leased (its owner's epoch), and
+    whether they are the bridge's: of a class it shares with phd (``shares``, as
+    :class:`LeaseFilter`'s), the rows phd runs (failed once, or bucketed at or above the
+    weight) are not."""
     c = active.c
     state = state_case(now).label("state")
+    by_weight: dict[int, list[str]] = defaultdict(list)
+    for name, weight in (shares or {}).items():
+        by_weight[weight].append(name)
+    phds = [
+        (
+            and_(
+                c.taskClass.in_(names),
+                or_(c.failureTime.is_not(None), bridge_bucket(c.id) >= weight),
+            ),
+            0,
+        )
+        for weight, names in sorted(by_weight.items())
+    ]
+    ours = case(*phds, else_=1).label("ours") if phds else literal(1).label("ours")
+    grouping = [c.taskClass, state, ours] if phds else [c.taskClass, state]
     return select(
         c.taskClass,
         state,
         func.count(),
         func.min(func.coalesce(c.leaseExpires, c.dateCreated)),
         func.min(case((c.leaseOwner != YIELD_OWNER, owner_epoch(c.leaseOwner)))),
-    ).group_by(c.taskClass, state)
+        ours,
+    ).group_by(*grouping)
 
 
 def count_archived_by_class_and_result(since: int) -> Select[Any]:

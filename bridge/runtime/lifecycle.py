@@ -87,7 +87,12 @@ def start_metrics(app: Celery) -> None:
         )
         ports, address = settings.metrics_port, settings.metrics_address
         queue_figures = QueueCollector(
-            rt.queue, rt.registry, settings.router, settings.owner_prefix, fleet=watch.served
+            rt.queue,
+            rt.registry,
+            settings.router,
+            settings.owner_prefix,
+            fleet=watch.served,
+            canary=rt.canary,
         )
         collectors: list[Collector] = [
             ProcessesCollector(os.environ[MULTIPROC_DIR]),  # set by count_in_children

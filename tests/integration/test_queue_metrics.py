@@ -1,5 +1,6 @@
 """The queue's gauges per served Celery queue, read at scrape time, on SQLite and MariaDB:
-due rows apart from dispatched ones, each with its oldest's age, unserved classes left out.
+due rows apart from dispatched ones, each with its oldest's age, unserved classes left out,
+and under a gray migration only the bridge's share (phd's apart, per class).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import update
 
+from bridge.canary.weights import BRIDGE, bucket, canary_of
+from bridge.engine.context import FixedCanary
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.registry import Registry
 from bridge.metrics.queue import QueueCollector
@@ -102,3 +105,36 @@ def test_a_queue_shows_its_pace_and_the_rows_other_workers_serve(queue):
     assert 1.0 <= value("phorge_bridge_queue_busy_slots", "search") <= 2.0  # 4 runs in 1-2 s
     assert value("phorge_bridge_queue_throughput_per_slot", "phorge") == 0  # no recent runs
     assert value("phorge_bridge_queue_due_tasks", "phorge") == 1, f"#{unserved} not counted"
+
+
+def test_under_a_gray_migration_the_queue_counts_only_the_bridges_share(queue):
+    """Search shared at 50%, mail wholly phd's ("*" at 0): the queue's gauges count the
+    rows the bridge's poll would lease, the same hash; phd's share is served per class."""
+    searches = queue.enqueue_many([NewTask(SEARCH)] * 40)
+    mails = queue.enqueue_many([NewTask(MAIL)] * 3)
+    now = queue.server_time()
+    age(queue, mails[0], dateCreated=now - 700)
+    failed = next(i for i in searches if bucket(BRIDGE, i) < 5000)
+    age(queue, failed, failureTime=now - 5)  # failed once: phd's for good
+    canary = canary_of({"*": {"bridge": 0}, SEARCH: {"bridge": 50}}, None)
+    registry = CollectorRegistry()
+    router = Router(((SEARCH, "search"), (MAIL, "mail")), "phorge")
+    registry.register(QueueCollector(queue, Registry([Noop()]), router, canary=FixedCanary(canary)))
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    ours = [i for i in searches if bucket(BRIDGE, i) < 5000 and i != failed]
+    assert 0 < len(ours) < 40
+    assert value("phorge_bridge_queue_due_tasks", queue="search") == len(ours)
+    assert value("phorge_bridge_queue_due_tasks", queue="mail") == 0
+    assert value("phorge_bridge_phd_share_due_tasks", task_class=SEARCH) == 40 - len(ours)
+    assert value("phorge_bridge_phd_share_due_tasks", task_class=MAIL) == 3
+    assert 700 <= value("phorge_bridge_phd_share_oldest_due_seconds", task_class=MAIL) <= 702
+    # The rows themselves are counted whole, by class and state, as before.
+    assert value("phorge_bridge_queue_tasks", task_class=SEARCH, state="queued") == 40
+    # Without a canary, there is no phd share at all.
+    plain = CollectorRegistry()
+    plain.register(QueueCollector(queue, Registry([Noop()]), router))
+    assert plain.get_sample_value("phorge_bridge_queue_due_tasks", {"queue": "search"}) == 40
+    assert plain.get_sample_value("phorge_bridge_phd_share_due_tasks", {"task_class": MAIL}) is None

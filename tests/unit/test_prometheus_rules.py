@@ -18,7 +18,7 @@ def promtool(*args: str) -> str:
 
 
 def test_the_rules_are_valid():
-    assert "SUCCESS: 11 rules found" in promtool("check", "rules", str(RULES))
+    assert "SUCCESS: 12 rules found" in promtool("check", "rules", str(RULES))
 
 
 def test_every_alert_fires_in_a_unit_test_and_stays_quiet_in_another():
