@@ -43,6 +43,8 @@ final class PhorgeBridgeCanary {
 
   const OPTION = 'phorge-bridge.canary';
   const STATE_OPTION = 'phorge-bridge.canary-state';
+  // The bridge's BRIDGE_OWNER_PREFIX: its beat lock's name holds it.
+  const OWNER_PREFIX_OPTION = 'phorge-bridge.owner-prefix';
 
   const LEVEL_BRIDGE = 'bridge';
   const LEVEL_NATIVE = 'native';
@@ -224,6 +226,23 @@ final class PhorgeBridgeCanary {
       $level.':',
       self::SCALE,
       $weight);
+  }
+
+  /**
+   * Whether the weights leave phd any task at the bridge level: a class
+   * named below 100 (or rolled back), or every class not named.
+   */
+  public function givesPhdAShare() {
+    if (isset($this->weights[self::DEFAULT_CLASS]) &&
+        $this->weights[self::DEFAULT_CLASS][self::LEVEL_BRIDGE] < self::SCALE) {
+      return true;
+    }
+    foreach ($this->getNamedClasses() as $task_class) {
+      if ($this->getWeight($task_class, self::LEVEL_BRIDGE) < self::SCALE) {
+        return true;
+      }
+    }
+    return false;
   }
 
   /**

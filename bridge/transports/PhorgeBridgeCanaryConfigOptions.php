@@ -1,7 +1,7 @@
 <?php
 
 /**
- * phorge-bridge: the gray migration's two config options, so that Phorge's
+ * phorge-bridge: the gray migration's config options, so that Phorge's
  * own tools know them ("./bin/config set --database phorge-bridge.canary
  * '{...}'", "./bin/config get", the Config application) and its setup checks
  * do not report them as unknown. How the values are read and what they mean:
@@ -84,6 +84,16 @@ final class PhorgeBridgeCanaryConfigOptions
         ->addExample(
           id(new PhutilJSON())->encodeFormatted($example),
           pht('Mail to 5%% of the bridge, search wholly, the rest on phd')),
+      $this->newOption(
+        PhorgeBridgeCanary::OWNER_PREFIX_OPTION,
+        'string',
+        'bridge')
+        ->setSummary(pht("phorge-bridge's BRIDGE_OWNER_PREFIX."))
+        ->setDescription(
+          pht(
+            "The bridge's owner prefix (its BRIDGE_OWNER_PREFIX), by which ".
+            "Phorge's setup checks find its beat lock: with the bridge ".
+            "running the queue, they warn only when nothing runs it.")),
       $this->newOption(PhorgeBridgeCanary::STATE_OPTION, 'wild', array())
         ->setSummary(
           pht("phorge-bridge's canary state (rollbacks, ramp steps)."))

@@ -403,3 +403,113 @@ final class PhorgeBridgeQueueDaemonModule
   }
 
 }
+
+
+/**
+ * Phorge's setup issues, for an install whose queue phorge-bridge runs:
+ *
+ *   - "phorge-bridge.old-side-not-running": the weights give phd a share and
+ *     no PhorgeBridgeQueueDaemon is alive (bin/phd start, restart and a reboot
+ *     do not start it), so that share waits;
+ *   - "phorge-bridge.queue-not-running": nothing runs the queue, neither a
+ *     taskmaster, nor a PhorgeBridgeQueueDaemon, nor a bridge beat (the
+ *     holder of the bridge's beat lock). Raised only while Phorge's own
+ *     "daemons.not-running" is ignored (config.ignore-issues), as the bridge's
+ *     docs say to do once it runs the queue: Phorge's check knows only its
+ *     taskmasters.
+ *
+ * Daemons count as Phorge's daemon console counts them (a live heartbeat).
+ */
+final class PhorgeBridgeQueueSetupCheck extends PhabricatorSetupCheck {
+
+  public function getDefaultGroup() {
+    return self::GROUP_IMPORTANT;
+  }
+
+  protected function executeChecks() {
+    try {
+      $alive = id(new PhabricatorDaemonLogQuery())
+        ->setViewer(PhabricatorUser::getOmnipotentUser())
+        ->withStatus(PhabricatorDaemonLogQuery::STATUS_ALIVE)
+        ->withDaemonClasses(
+          array('PhabricatorTaskmasterDaemon', 'PhorgeBridgeQueueDaemon'))
+        ->execute();
+      $raw = PhorgeBridgeCanary::readOptions();
+      $canary = PhorgeBridgeCanary::newFromValues(
+        json_decode(idx($raw, PhorgeBridgeCanary::OPTION, 'null'), true),
+        json_decode(idx($raw, PhorgeBridgeCanary::STATE_OPTION, 'null'), true));
+      $beat = self::isBeatRunning();
+    } catch (Exception $ex) {
+      // As Phorge's own daemon check: skip when it can not tell.
+      return;
+    }
+    $running = array_fuse(mpull($alive, 'getDaemon'));
+
+    $daemon = isset($running['PhorgeBridgeQueueDaemon']);
+    if (!$daemon && $canary->givesPhdAShare()) {
+      $this->newIssue('phorge-bridge.old-side-not-running')
+        ->setShortName(pht('Queue Daemon Not Running'))
+        ->setName(pht('PhorgeBridgeQueueDaemon Is Not Running'))
+        ->setSummary(
+          pht(
+            'The gray migration gives phd a share of the queue, and no '.
+            'PhorgeBridgeQueueDaemon runs it.'))
+        ->setMessage(
+          pht(
+            'The weights in %s leave some tasks to phd, and only the '.
+            'PhorgeBridgeQueueDaemon that phorge-bridge ships runs them. '.
+            '%s, %s and a reboot do not start it: launch it again.',
+            phutil_tag('tt', array(), PhorgeBridgeCanary::OPTION),
+            phutil_tag('tt', array(), 'bin/phd start'),
+            phutil_tag('tt', array(), 'bin/phd restart')))
+        ->addCommand(
+          hsprintf(
+            '<samp>%s $</samp><kbd>./bin/phd launch PhorgeBridgeQueueDaemon</kbd>',
+            self::getServerPath()));
+    }
+
+    $ignored = PhabricatorEnv::getEnvConfig('config.ignore-issues');
+    if ($running || $beat || !idx($ignored, 'daemons.not-running')) {
+      return;
+    }
+    $this->newIssue('phorge-bridge.queue-not-running')
+      ->setShortName(pht('Queue Not Running'))
+      ->setName(pht('Nothing Runs the Task Queue'))
+      ->setSummary(
+        pht(
+          'No phorge-bridge beat, no PhorgeBridgeQueueDaemon and no '.
+          'taskmaster is running: no background task runs.'))
+      ->setMessage(
+        pht(
+          'Mail, search indexing, feed and repository imports wait. '.
+          'Start the bridge (celery beat and its workers; %s says what it '.
+          'misses), or the daemons with %s.',
+          phutil_tag('tt', array(), 'phorge-bridge doctor'),
+          phutil_tag('tt', array(), 'bin/phd start')));
+  }
+
+  // The prompt of a command in the install's root, as Phorge's own checks
+  // show it (upstream Phabricator's PlatformSymbols lacks the method).
+  private static function getServerPath() {
+    if (method_exists('PlatformSymbols', 'getPlatformServerPath')) {
+      return PlatformSymbols::getPlatformServerPath();
+    }
+    return 'phabricator/';
+  }
+
+  /**
+   * Whether a bridge beat holds its beat lock on the worker database: the
+   * MySQL named lock "phorge-bridge:<database>:<owner prefix>:beat", freed
+   * by the server when the beat's session ends.
+   */
+  private static function isBeatRunning() {
+    $conn = id(new PhabricatorWorkerActiveTask())->establishConnection('w');
+    $database = queryfx_one($conn, 'SELECT DATABASE() AS db');
+    $prefix = PhabricatorEnv::getEnvConfig(
+      PhorgeBridgeCanary::OWNER_PREFIX_OPTION);
+    $key = substr('phorge-bridge:'.$database['db'].':'.$prefix.':beat', 0, 64);
+    $holder = queryfx_one($conn, 'SELECT IS_USED_LOCK(%s) AS holder', $key);
+    return ($holder['holder'] !== null);
+  }
+
+}

@@ -37,6 +37,7 @@ from phorge_php import InteropPHP
 from bridge.canary.weights import BRIDGE, NATIVE, OPTION, SCALE, STATE_OPTION, bucket, canary_of
 from bridge.errors import ConfigError
 from bridge.phorge.extension import install
+from bridge.queue.beat_lock import BeatLock
 
 WORKER = "PhorgeBridgeDaemonTestWorker"
 OTHER = "PhorgeBridgeDaemonOtherTestWorker"  # the sentinel class: always the daemon's
@@ -111,6 +112,23 @@ switch ($command) {
         }
       }
       $out[] = array('weights' => $weights, 'takes' => $takes, 'old' => $old);
+    }
+    break;
+  case 'setup-issues':
+    // Phorge's daemon check and the extension's, found among every check as Phorge
+    // finds them (runNormalChecks() stops at the CLI's fatal "no request host"): the
+    // issue keys raised, each with whether config.ignore-issues hides it.
+    $ignored = PhabricatorEnv::getEnvConfig('config.ignore-issues');
+    $out = array();
+    foreach (PhabricatorSetupCheck::loadAllChecks() as $check) {
+      $class = get_class($check);
+      if ($class == 'PhabricatorDaemonsSetupCheck' ||
+          $class == 'PhorgeBridgeQueueSetupCheck') {
+        $check->runSetupChecks();
+        foreach ($check->getIssues() as $key => $issue) {
+          $out[$key] = !empty($ignored[$key]);
+        }
+      }
     }
     break;
   default:
@@ -483,3 +501,67 @@ def test_a_rollback_hands_the_class_to_the_daemon_within_5_s(fresh: Lab) -> None
     assert took < 5.0
     assert all(untouched(row) for row in lab.rows(bridges).values())
     assert all(r["result"] == 0 for r in lab.rows(ids).values())
+
+
+# -- Phorge's setup issues ------------------------------------------------------------------
+
+IGNORE_ISSUES = "config.ignore-issues"
+OLD_SIDE, NOTHING, PHORGES = (
+    "phorge-bridge.old-side-not-running",
+    "phorge-bridge.queue-not-running",
+    "daemons.not-running",
+)
+
+
+@pytest.fixture
+def ignoring_phorges_daemon_check(lab: Lab) -> Iterator[None]:
+    """``daemons.not-running`` ignored, as docs/operations.md says once the bridge runs
+    the queue; the install's own value put back afterwards."""
+    (saved,) = lab.sql(
+        f"SELECT COUNT(*), MAX(value), MAX(isDeleted) FROM `{lab.config_db}`.config_entry"
+        " WHERE namespace = 'default' AND configKey = :key",
+        key=IGNORE_ISSUES,
+    )
+    lab.write_option(IGNORE_ISSUES, json.dumps({PHORGES: True}))
+    try:
+        yield
+    finally:
+        lab.forget_option(IGNORE_ISSUES)
+        if saved[0]:
+            lab.write_option(IGNORE_ISSUES, saved[1], int(saved[2]))
+
+
+def test_phorges_setup_issues_know_the_shipped_daemon_and_the_bridge(
+    fresh: Lab, ignoring_phorges_daemon_check: None
+) -> None:
+    """Read through Phorge's own setup checks: a share for phd with no daemon alive is an
+    issue of its own; with Phorge's daemon check ignored, nothing running the queue is
+    still one, and a bridge beat (the holder of its beat lock) or the daemon ends it."""
+    lab = fresh
+    lab.set_weights({WORKER: {"bridge": 50}})
+    issues = lab.call("setup-issues")
+    assert issues[PHORGES] is True, "ignored: the bridge's own check stands in"
+    assert issues[OLD_SIDE] is False and issues[NOTHING] is False
+    beat = BeatLock(lab.worker, "bridge")
+    try:
+        assert beat.held()
+        issues = lab.call("setup-issues")
+        assert NOTHING not in issues and OLD_SIDE in issues, "the beat runs only its share"
+    finally:
+        beat.close()
+    with daemon(lab) as d:
+        wait_for(
+            lambda: (
+                lab.sql(
+                    f"SELECT 1 FROM `{lab.daemon_db}`.daemon_log WHERE daemon = :d AND status = 'run'",
+                    d=DAEMON,
+                )
+                != []
+            ),
+            "the daemon's heartbeat",
+            d,
+        )
+        issues = lab.call("setup-issues")
+    assert OLD_SIDE not in issues and NOTHING not in issues
+    lab.set_weights({WORKER: {"bridge": 100}})
+    assert OLD_SIDE not in lab.call("setup-issues"), "no share for phd: no daemon needed"
