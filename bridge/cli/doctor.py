@@ -21,6 +21,7 @@ from sqlalchemy import Engine, inspect
 from bridge.assembly import build_registry
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import BRIDGE, DEFAULT, LEVELS, OPTION, SCALE, Canary, percent
+from bridge.canary.weights import NATIVE as NATIVE_LEVEL
 from bridge.cli.service_errors import driver_error, first_line
 from bridge.cli.tasks import stamp
 from bridge.config import ConfigError, Settings, load_settings
@@ -32,6 +33,7 @@ from bridge.errors import (
     WritesRefused,
 )
 from bridge.handlers.api import TaskContext
+from bridge.handlers.registry import NATIVE as NATIVE_HANDLER
 from bridge.handlers.registry import Registry
 from bridge.phorge import extension as phorge_extension
 from bridge.phorge.extension import VERSION_METHOD, shipped_sha256, shipped_version
@@ -468,19 +470,20 @@ def unreadable(engine: Engine, database: str, exc: Exception) -> str:
     )
 
 
-def count_daemons(doctor: Doctor, daemon: str) -> tuple[int, str] | str | None:
+def count_daemons(doctor: Doctor, name: str, daemon: str) -> tuple[int, str] | Check:
     """The live daemons of class like ``daemon`` in Phorge's daemon log and what is left
-    out of the count (those it calls unknown or dead); the reason when the log cannot be
-    read; None without a daemon database beside the worker one."""
+    out of the count (those it calls unknown or dead); else check ``name``'s verdict: not
+    applicable without a daemon database beside the worker one, unknown when the log
+    cannot be read."""
     database = _daemon_database(doctor.queue)
     if database is None:
-        return None
+        return Check(name, "ok", "not applicable (no Phorge daemon database beside this one)")
     query = sql.count_daemons(database, daemon, UNKNOWN_AFTER, DEAD_AFTER, RUNNING_STATUSES)
     try:
         with doctor.queue.engine.connect() as conn:
             live, unknown, dead = (int(n) for n in conn.execute(query).one())
     except Exception as exc:
-        return unreadable(doctor.queue.engine, database, exc)
+        return Check(name, "warn", f"unknown: {unreadable(doctor.queue.engine, database, exc)}")
     ignored = (
         f"; not counted, as Phorge's daemon console calls them: {unknown} unknown "
         f"(heartbeat over {UNKNOWN_AFTER} s old), {dead} dead (over {DEAD_AFTER} s)"
@@ -490,18 +493,13 @@ def count_daemons(doctor: Doctor, daemon: str) -> tuple[int, str] | str | None:
     return live, ignored
 
 
-NO_DAEMON_LOG = "not applicable (no Phorge daemon database beside this one)"
-
-
 def check_taskmasters(doctor: Doctor) -> Check:
     """PHP taskmasters with a live heartbeat, as Phorge's daemon console counts them."""
     doctor.require("database")
     name = "taskmasters"
-    counted = count_daemons(doctor, "%TaskmasterDaemon")
-    if counted is None:
-        return Check(name, "ok", NO_DAEMON_LOG)
-    if isinstance(counted, str):
-        return Check(name, "warn", f"unknown: {counted}")
+    counted = count_daemons(doctor, name, "%TaskmasterDaemon")
+    if isinstance(counted, Check):
+        return counted
     live, ignored = counted
     if live:
         return Check(
@@ -543,11 +541,9 @@ def check_old_side(doctor: Doctor) -> Check:
     share = phds_share(canary.read())
     if not share:
         return Check(name, "ok", f"the weights leave phd nothing: no {QUEUE_DAEMON} needed")
-    counted = count_daemons(doctor, QUEUE_DAEMON)
-    if counted is None:
-        return Check(name, "ok", NO_DAEMON_LOG)
-    if isinstance(counted, str):
-        return Check(name, "warn", f"unknown: {counted}")
+    counted = count_daemons(doctor, name, QUEUE_DAEMON)
+    if isinstance(counted, Check):
+        return counted
     live, ignored = counted
     if live:
         return Check(
@@ -634,6 +630,53 @@ def check_canary(doctor: Doctor) -> Check:
     return Check("canary", "ok", detail)
 
 
+def check_canary_reach(doctor: Doctor) -> Check:
+    """Each class the weights name for the bridge has a live worker that runs it, and each
+    class shared at the native level one that runs it natively with a PHP path beside (a
+    rollback's old side): else its share waits for nobody, from what the workers announce."""
+    doctor.require("broker")
+    doctor.require("canary")
+    from bridge.celery import app
+    from bridge.runtime.announce import announcements
+    from bridge.runtime.consumers import INSPECT_TIMEOUT
+
+    assert doctor.settings is not None
+    name = "canary reach"
+    if not doctor.settings.canary:
+        return Check(name, "ok", "not applicable (BRIDGE_CANARY=false)")
+    canary = CanaryStore.for_settings(doctor.queue.engine, doctor.settings, warn_missing=False)
+    weights = canary.read()
+    named = [c for c in weights.named if weights.weight(c, BRIDGE) > 0]
+    if not named:
+        return Check(name, "ok", "the weights name no class for the bridge")
+    nodes = announcements(app, INSPECT_TIMEOUT)
+    if nodes is None:
+        return Check(name, "ok", "not applicable (this broker carries no worker announcements)")
+    problems = []
+    for task_class in named:
+        queue = doctor.settings.router.queue_for(task_class)
+        live = [a for a in nodes.values() if a.runs(task_class, queue)]
+        if not live:
+            share = f"{percent(weights.weight(task_class, BRIDGE)):g}%"
+            problems.append(
+                f"{task_class} ({share} for the bridge): no live worker runs it on {queue}"
+            )
+        elif weights.level_of(task_class) == NATIVE_LEVEL and not any(
+            a.coverage.transport_for(task_class) == NATIVE_HANDLER
+            and a.coverage.php_transport_for(task_class)
+            for a in live
+        ):
+            problems.append(
+                f"{task_class} (shared at the native level): no live worker on {queue} runs "
+                "it natively with a PHP path for the old side"
+            )
+    if problems:
+        return Check(name, "fail", f"{'; '.join(problems)}: those tasks wait")
+    return Check(
+        name, "ok", f"{len(named)} class(es) named for the bridge, each run by a live worker"
+    )
+
+
 def check_clock_skew(doctor: Doctor) -> Check:
     doctor.require("database")
     before = time.time()
@@ -671,6 +714,7 @@ CHECKS: list[Callable[[Doctor], Check]] = [
     check_taskmasters,
     check_canary,
     check_old_side,
+    check_canary_reach,
     check_clock_skew,
 ]
 

@@ -44,6 +44,13 @@ class Coverage:
             return None
         if task_class in self.native:
             return NATIVE
+        return self.php_transport_for(task_class)
+
+    def php_transport_for(self, task_class: str) -> str | None:
+        """:data:`RUNNER` or :data:`PROXY`: what runs ``task_class`` in PHP here, native
+        handler or not (the old side of the native level), or None."""
+        if not allowed(task_class, self.include, self.exclude):
+            return None
         if self.runner is not None and any(fnmatchcase(task_class, g) for g in self.runner):
             return RUNNER
         return PROXY if self.proxy else None

@@ -431,3 +431,26 @@ def test_a_killed_guard_is_alerted_and_its_rollback_stays_in_sight(
         {"task_class": CLASS, "level": NATIVE}
     ]
     assert scraped(ports[1:], "phorge_bridge_canary_rolled_back", task_class=CLASS) == 1
+
+
+def test_doctor_fails_a_share_that_no_live_worker_runs(make_bridge, database_url, amqp_url):
+    """From what the live workers announce: a class the weights share with the bridge
+    that none of them runs fails doctor; once the weights name only what they run, it
+    passes."""
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    nobody = "NobodyRunsThisWorker"  # no native handler, outside the runner's Standin*
+    set_weights(bridge.engine, {CLASS: {"native": 20}, nobody: {"bridge": 50}})
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
+    bridge.wait_ready(worker)
+
+    assert bridge.doctor()["canary reach"] == {
+        "name": "canary reach",
+        "status": "fail",
+        "detail": f"{nobody} (50% for the bridge): no live worker runs it on "
+        f"{bridge.default_queue}: those tasks wait",
+    }
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    assert (
+        bridge.doctor()["canary reach"]["detail"]
+        == "1 class(es) named for the bridge, each run by a live worker"
+    )

@@ -9,9 +9,6 @@ CLI still lists and cancels them.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from bad_rows import corrupt_data
 from sqlalchemy import delete, select, update
 
@@ -20,17 +17,6 @@ from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_taskdata as taskdata
 
 WEIRD_CLASSES = ["Quo'te\"Worker", "$(touch /tmp/pwned)Worker", "`id`Worker"]
-
-
-def cli(bridge, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "bridge.cli", *args],
-        env=bridge.environ("cli"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def test_bad_rows_fail_alone(fault_database, fault_redis, make_fault_bridge, fault_run):
@@ -48,7 +34,7 @@ def test_bad_rows_fail_alone(fault_database, fault_redis, make_fault_bridge, fau
         conn.execute(update(active).where(active.c.id == lowest).values(priority=0))
         conn.execute(update(active).where(active.c.id == highest).values(priority=4294967295))
     weird = [bridge.enqueue(name, {})[0] for name in WEIRD_CLASSES]
-    listed = cli(bridge, "list", "--limit", "100")
+    listed = bridge.cli("list", "--limit", "100")
     assert listed.returncode == 0, listed.stderr
     bridge.serve()
     run.start()
@@ -59,7 +45,7 @@ def test_bad_rows_fail_alone(fault_database, fault_redis, make_fault_bridge, fau
     # The unserved rows are as they were, and the CLI still reads and cancels them.
     rows = bridge.active_rows(weird)
     assert [rows[i].leaseOwner for i in weird] == [None] * 3
-    assert cli(bridge, "list", "--limit", "100").returncode == 0
-    cancelled = cli(bridge, "cancel", "--id", str(weird[0]))
+    assert bridge.cli("list", "--limit", "100").returncode == 0
+    cancelled = bridge.cli("cancel", "--id", str(weird[0]))
     assert cancelled.returncode == 0, cancelled.stderr
     assert bridge.archived([weird[0]])[weird[0]].result == RESULT_CANCELLED

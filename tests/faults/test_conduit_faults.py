@@ -11,9 +11,6 @@ within seconds of Phorge coming back.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -85,20 +82,6 @@ def metric(port: int, name: str) -> float | None:
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
     return None
-
-
-def doctor_breaker(bridge) -> str:
-    """The status of doctor's ``conduit breaker`` check, run as an operator would."""
-    result = subprocess.run(
-        [sys.executable, "-m", "bridge.cli", "doctor", "--json"],
-        env=bridge.environ("doctor"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
-    return checks["conduit breaker"]["status"]
 
 
 @dataclass
@@ -199,7 +182,7 @@ def test_conduit_fault(fault, deployment, phorge, fault_run, request):
         assert deployment.metric() == 1
     time.sleep(max(0.0, outage - (time.monotonic() - started)))  # the outage itself
     if fault != "slow":
-        assert doctor_breaker(bridge) == "fail"
+        assert bridge.doctor()["conduit breaker"]["status"] == "fail"
     if fault == "down":
         phorge.up()
     fake.mode = "up"

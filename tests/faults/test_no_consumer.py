@@ -27,19 +27,6 @@ from prometheus_client.parser import text_string_to_metric_families
 MAX_AGE = 12  # seconds of silence before health fails: more than two heartbeats
 
 
-def cli(bridge, *args: str) -> subprocess.CompletedProcess:
-    """``phorge-bridge ARGS`` with the bridge's settings, as an operator runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "bridge.cli", *args],
-        env=bridge.environ("cli"),
-        cwd=bridge.directory,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def without_consumer(url: str) -> dict[str, float]:
     """``phorge_bridge_queue_without_consumer`` per queue, as Prometheus scrapes it."""
     text = requests.get(url, timeout=30).text
@@ -69,7 +56,7 @@ def test_a_frozen_worker_is_reported_everywhere_and_replaced(
     run.wait_fraction(0.25)
 
     def health() -> subprocess.CompletedProcess:
-        return cli(bridge, "health", "--liveness-file", str(alive), "--max-age", str(MAX_AGE))
+        return bridge.cli("health", "--liveness-file", str(alive), "--max-age", str(MAX_AGE))
 
     assert health().returncode == 0, "a consuming worker must be healthy"
     os.kill(worker.pid, signal.SIGSTOP)  # connected, consuming nothing
@@ -80,7 +67,7 @@ def test_a_frozen_worker_is_reported_everywhere_and_replaced(
         assert "not consuming" in health().stderr
 
         def doctor_fails() -> dict | None:
-            checks = json.loads(cli(bridge, "doctor", "--json").stdout)["checks"]
+            checks = json.loads(bridge.cli("doctor", "--json").stdout)["checks"]
             [check] = [c for c in checks if c["name"] == "queue consumers"]
             return check if check["status"] == "fail" else None
 
@@ -88,7 +75,7 @@ def test_a_frozen_worker_is_reported_everywhere_and_replaced(
             doctor_fails, 60, "doctor to report the queue", interval=CLI_INTERVAL
         )
         assert f"{queue}: " in check["detail"] and "NO LIVE WORKER" in check["detail"]
-        stats = json.loads(cli(bridge, "stats", "--json").stdout)
+        stats = json.loads(bridge.cli("stats", "--json").stdout)
         [status] = [q for q in stats["queues"] if q["queue"] == queue]
         assert status["due"] > 0 and status["consumers"] == []
         url = f"http://127.0.0.1:{port}/metrics"
@@ -122,12 +109,12 @@ def test_a_worker_whose_task_consumer_is_gone_fails_its_health_check(
     bridge.wait_ready(worker)
     health = ("health", "--liveness-file", str(alive), "--max-age", str(MAX_AGE))
     bridge.wait_until(
-        lambda: cli(bridge, *health).returncode == 0, 60, "a healthy worker", interval=CLI_INTERVAL
+        lambda: bridge.cli(*health).returncode == 0, 60, "a healthy worker", interval=CLI_INTERVAL
     )
     control = [sys.executable, "-m", "celery", "-A", "bridge", "control", "cancel_consumer",
                bridge.default_queue, "-d", bridge.node("worker")]  # fmt: skip
     subprocess.run(control, env=bridge.environ("cli"), check=True, capture_output=True)
     bridge.wait_until(
-        lambda: cli(bridge, *health).returncode == 1, 60, "health to fail", interval=CLI_INTERVAL
+        lambda: bridge.cli(*health).returncode == 1, 60, "health to fail", interval=CLI_INTERVAL
     )
     assert worker.running()

@@ -206,6 +206,22 @@ class Bridge:
     def control_queue(self) -> str:
         return self.settings["BRIDGE_CONTROL_QUEUE"]
 
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``phorge-bridge ARGS`` with the deployment's settings, as an operator runs it."""
+        return subprocess.run(
+            [sys.executable, "-m", "bridge.cli", *args],
+            env=self.environ("cli"),
+            cwd=self.directory,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    def doctor(self) -> dict[str, dict[str, str]]:
+        """``phorge-bridge doctor --json``'s checks, by name."""
+        return {c["name"]: c for c in json.loads(self.cli("doctor", "--json").stdout)["checks"]}
+
     def environ(self, worker_name: str) -> dict[str, str]:
         env = clean_environ()
         env.update(self.settings)

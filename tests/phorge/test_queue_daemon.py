@@ -549,18 +549,9 @@ def test_phorges_setup_issues_know_the_shipped_daemon_and_the_bridge(
         assert NOTHING not in issues and OLD_SIDE in issues, "the beat runs only its share"
     finally:
         beat.close()
+    running = f"SELECT 1 FROM `{lab.daemon_db}`.daemon_log WHERE daemon = :d AND status = 'run'"
     with daemon(lab) as d:
-        wait_for(
-            lambda: (
-                lab.sql(
-                    f"SELECT 1 FROM `{lab.daemon_db}`.daemon_log WHERE daemon = :d AND status = 'run'",
-                    d=DAEMON,
-                )
-                != []
-            ),
-            "the daemon's heartbeat",
-            d,
-        )
+        wait_for(lambda: lab.sql(running, d=DAEMON) != [], "the daemon's heartbeat", d)
         issues = lab.call("setup-issues")
     assert OLD_SIDE not in issues and NOTHING not in issues
     lab.set_weights({WORKER: {"bridge": 100}})

@@ -112,6 +112,19 @@ def test_a_class_runs_elsewhere_where_another_worker_consumes_its_queue_and_serv
     assert not watch.runs_elsewhere("PhabricatorSearchWorker", "php", node="php@h")
 
 
+def test_a_coverage_names_the_php_path_beside_a_native_handler():
+    """The old side of the native level: what would run a natively served class in PHP."""
+    coverage = Coverage(native=("A", "B1"), runner=("B*",), exclude=("C*",))
+    assert [coverage.transport_for(c) for c in ("A", "B1", "B2", "C1")] == [
+        "native",
+        "native",
+        "runner",
+        None,
+    ]
+    assert [coverage.php_transport_for(c) for c in ("A", "B1", "C1")] == [None, "runner", None]
+    assert Coverage(native=("A",), proxy=True).php_transport_for("A") == "proxy"
+
+
 def test_an_announcement_is_read_back_as_sent():
     coverage = Coverage(native=("A",), runner=("B*",), proxy=True, exclude=("C",))
     reply = {"queues": ["php"], "coverage": coverage.as_dict(), "down": ["proxy"]}
