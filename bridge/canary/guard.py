@@ -304,14 +304,17 @@ class Suspicions:
     limit: int
     _seen: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def confirmed(self, task_class: str, level: str, reason: str | None) -> bool:
-        """Note this evaluation's verdict; True once ``limit`` in a row found it worse."""
+    def confirmed(
+        self, task_class: str, level: str, reason: str | None, limit: int | None = None
+    ) -> bool:
+        """Note this evaluation's verdict; True once ``limit`` (the class's own, else
+        :attr:`limit`) in a row found it worse."""
         key = (task_class, level)
         if reason is None:
             self._seen.pop(key, None)
             return False
         self._seen[key] = self._seen.get(key, 0) + 1
-        return self._seen[key] >= self.limit
+        return self._seen[key] >= (self.limit if limit is None else limit)
 
 
 def guard_lock_name(owner_prefix: str) -> str:
@@ -384,12 +387,13 @@ def _ramp(store: CanaryStore, canary: Canary, task_class: str, level: str, now: 
 
 
 def judged_window(
-    engine: Engine, task_class: str, level: str, seconds: int, settings: Settings
+    engine: Engine, task_class: str, level: str, seconds: int, settings: Settings, min_runs: int
 ) -> Window:
     """The window the guard judges: the old side from its longer history
-    (``BRIDGE_CANARY_HISTORY``) when the window holds too few of its runs."""
+    (``BRIDGE_CANARY_HISTORY``) when the window holds fewer than ``min_runs`` of its
+    runs."""
     window = read_window(engine, task_class, level, seconds, settings.canary_window_runs)
-    if window.old.runs >= settings.canary_min_runs or settings.canary_history <= seconds:
+    if window.old.runs >= min_runs or settings.canary_history <= seconds:
         return window
     history = read_window(
         engine, task_class, level, settings.canary_history, settings.canary_window_runs
@@ -418,8 +422,12 @@ def guard_once(
             seconds = settings.canary_window
             if promoted is not None:
                 seconds = max(0, min(seconds, now - promoted))
-            reason = verdict(judged_window(engine, task_class, level, seconds, settings), bounds)
-            if suspicions.confirmed(task_class, level, reason):
+            # The class's own bounds over the settings' (``"guard"`` in its weights).
+            own: dict[str, Any] = dict(canary.configured(task_class).guard)
+            mine = replace(bounds, **own)
+            window = judged_window(engine, task_class, level, seconds, settings, mine.min_runs)
+            reason = verdict(window, mine)
+            if suspicions.confirmed(task_class, level, reason, own.get("failure_limit")):
                 if _trip(store, task_class, level, now, str(reason)):
                     made.append(f"rollback {task_class} ({level})")
                 continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -105,11 +105,14 @@ class Ramp:
 
 @dataclass(frozen=True)
 class ClassWeights:
-    """A class's configured weights (basis points), before rollbacks."""
+    """A class's configured weights (basis points), before rollbacks, and the guard's
+    bounds it sets for itself (``BRIDGE_CANARY_*`` names, lower-cased, without the
+    prefix: ``max_drop``, ...)."""
 
     bridge: int = SCALE
     native: int = SCALE
     ramp: Ramp | None = None
+    guard: tuple[tuple[str, float], ...] = ()
 
     def at(self, level: str) -> int:
         return self.bridge if level == BRIDGE else self.native
@@ -134,13 +137,50 @@ def _ramp(given: Any, where: str) -> Ramp:
     return Ramp(level, bps, dwell)
 
 
+def _whole(value: Any) -> bool:
+    return _php_int(value) and value >= 1
+
+
+def _number(value: Any) -> bool:
+    """A finite number (an integer past 64 bits too: PHP reads it as a float)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# A class's own guard bounds: each the check and the words of its setting's.
+GUARD_BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "min_runs": (_whole, "a positive integer"),
+    "min_failures": (_whole, "a positive integer"),
+    "failure_limit": (_whole, "a positive integer"),
+    "max_drop": (lambda v: _number(v) and 0 <= v <= 1, "a number from 0 to 1"),
+    "significance": (
+        lambda v: _number(v) and 0 < v < 1,
+        "a number between 0 and 1 (exclusive)",
+    ),
+    "max_slowdown": (lambda v: _number(v) and v >= 1, "a number of at least 1"),
+    "slowdown_floor": (lambda v: _number(v) and v > 0, "a positive number of seconds"),
+}
+
+
+def _guard(given: Any, name: str) -> tuple[tuple[str, float], ...]:
+    value = _object(given)
+    if value is None or set(value) - set(GUARD_BOUNDS):
+        known = ", ".join(GUARD_BOUNDS)
+        raise ConfigError(OPTION, f"{name}.guard: expected an object of {known}, got {given!r}")
+    for key, bound in value.items():
+        valid, expected = GUARD_BOUNDS[key]
+        if not valid(bound):
+            raise ConfigError(OPTION, f"{name}.guard.{key}: expected {expected}, got {bound!r}")
+    return tuple((key, value[key]) for key in GUARD_BOUNDS if key in value)
+
+
 def _class_weights(name: str, given: Any, default: ClassWeights) -> ClassWeights:
     """A class's entry; a level it leaves out has the ``"*"`` entry's weight (100 without
     one), but for a ramp's own level: naming a class at one level moves it at no other."""
     value = _object(given)
-    if value is None or set(value) - {BRIDGE, NATIVE, "ramp"}:
+    if value is None or set(value) - {BRIDGE, NATIVE, "ramp", "guard"}:
         raise ConfigError(
-            OPTION, f"{name}: expected an object with bridge, native or ramp, got {given!r}"
+            OPTION,
+            f"{name}: expected an object with bridge, native, ramp or guard, got {given!r}",
         )
     given_bp = {lv: _percent(value[lv], f"{name}.{lv}") for lv in LEVELS if lv in value}
     ramp = _ramp(value["ramp"], name) if "ramp" in value else None
@@ -152,14 +192,19 @@ def _class_weights(name: str, given: Any, default: ClassWeights) -> ClassWeights
             return given_bp[level]
         return SCALE if ramp is not None and ramp.level == level else default.at(level)
 
-    weights = ClassWeights(bridge=at(BRIDGE), native=at(NATIVE), ramp=ramp)
+    guard = _guard(value["guard"], name) if "guard" in value else ()
+    weights = ClassWeights(bridge=at(BRIDGE), native=at(NATIVE), ramp=ramp, guard=guard)
     shared = {level for level in LEVELS if 0 < weights.at(level) < SCALE}
     if ramp is not None:
         shared.add(ramp.level)
     if len(shared) > 1:
         raise ConfigError(OPTION, f"{name}: only one level may be shared at a time")
-    if name == DEFAULT and (weights.ramp or any(weights.at(lv) not in (0, SCALE) for lv in LEVELS)):
-        raise ConfigError(OPTION, f"{DEFAULT}: the default weights are 0 or 100, without a ramp")
+    if name == DEFAULT and (
+        weights.ramp or "guard" in value or any(weights.at(lv) not in (0, SCALE) for lv in LEVELS)
+    ):
+        raise ConfigError(
+            OPTION, f"{DEFAULT}: the default weights are 0 or 100, without a ramp or guard"
+        )
     return weights
 
 

@@ -459,11 +459,11 @@ final class PhorgeBridgeCanary {
   // without one), but for a ramp's own level: naming a class at one level
   // moves it at no other.
   private static function parseClassWeights($name, $value, array $default) {
-    $known = array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE, 'ramp');
+    $known = array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE, 'ramp', 'guard');
     if (!self::isObject($value) || array_diff(array_keys($value), $known)) {
       throw self::newWeightsException(
         pht(
-          '%s: expected an object with bridge, native or ramp, got %s',
+          '%s: expected an object with bridge, native, ramp or guard, got %s',
           $name,
           self::describe($value)));
     }
@@ -488,7 +488,10 @@ final class PhorgeBridgeCanary {
         pht('%s: a ramp sets the %s weight itself', $name, $ramp['level']));
     }
 
-    $weights = array('ramp' => $ramp);
+    $weights = array('ramp' => $ramp, 'guard' => array());
+    if (array_key_exists('guard', $value)) {
+      $weights['guard'] = self::parseGuard($name, $value['guard']);
+    }
     $shared = array();
     foreach ($levels as $level) {
       if (array_key_exists($level, $given)) {
@@ -513,16 +516,71 @@ final class PhorgeBridgeCanary {
     if ($name === self::DEFAULT_CLASS) {
       $whole = array(0, self::SCALE);
       if ($ramp !== null ||
+          array_key_exists('guard', $value) ||
           !in_array($weights[self::LEVEL_BRIDGE], $whole, true) ||
           !in_array($weights[self::LEVEL_NATIVE], $whole, true)) {
         throw self::newWeightsException(
           pht(
-            '%s: the default weights are 0 or 100, without a ramp',
+            '%s: the default weights are 0 or 100, without a ramp or guard',
             self::DEFAULT_CLASS));
       }
     }
 
     return $weights;
+  }
+
+  // A class's own bounds for the bridge's guard (it alone reads them), checked
+  // as the bridge checks them: each as its BRIDGE_CANARY_* setting.
+  private static function parseGuard($name, $value) {
+    $bounds = array(
+      'min_runs' => 'a positive integer',
+      'min_failures' => 'a positive integer',
+      'failure_limit' => 'a positive integer',
+      'max_drop' => 'a number from 0 to 1',
+      'significance' => 'a number between 0 and 1 (exclusive)',
+      'max_slowdown' => 'a number of at least 1',
+      'slowdown_floor' => 'a positive number of seconds',
+    );
+    if (!self::isObject($value) ||
+        array_diff(array_keys($value), array_keys($bounds))) {
+      throw self::newWeightsException(
+        pht(
+          '%s.guard: expected an object of %s, got %s',
+          $name,
+          implode(', ', array_keys($bounds)),
+          self::describe($value)));
+    }
+    foreach ($value as $key => $bound) {
+      if (!self::isGuardBound($key, $bound)) {
+        throw self::newWeightsException(
+          pht(
+            '%s.guard.%s: expected %s, got %s',
+            $name,
+            $key,
+            $bounds[$key],
+            self::describe($bound)));
+      }
+    }
+    return $value;
+  }
+
+  private static function isGuardBound($key, $value) {
+    $number = (is_int($value) || is_float($value)) && is_finite((float)$value);
+    switch ($key) {
+      case 'min_runs':
+      case 'min_failures':
+      case 'failure_limit':
+        return is_int($value) && $value >= 1;
+      case 'max_drop':
+        return $number && $value >= 0 && $value <= 1;
+      case 'significance':
+        return $number && $value > 0 && $value < 1;
+      case 'max_slowdown':
+        return $number && $value >= 1;
+      case 'slowdown_floor':
+        return $number && $value > 0;
+    }
+    return false;
   }
 
   private static function parseRamp($name, $value) {

@@ -431,6 +431,30 @@ def test_a_paused_ramp_holds_its_step_until_resumed_and_a_whole_dwell(db):
     assert [e.event for e in store.read().state.history] == ["pause", "resume", "step"]
 
 
+def test_a_class_sets_its_own_bounds(db):
+    """Two classes, each with 10 fallbacks in 30 new-side runs beside a clean old side:
+    one trips on the settings' bounds, the other allows a drop of 50 points, and a
+    third needs two bad evaluations in a row where the settings say one."""
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights(
+        {
+            "Strict": {"native": 20},
+            "Lax": {"native": 20, "guard": {"max_drop": 0.5}},
+            "Patient": {"native": 20, "guard": {"failure_limit": 2}},
+        }
+    )
+    for task_class in ("Strict", "Lax", "Patient"):
+        archived(engine, owner("native"), count=20, task_class=task_class)
+        archived(engine, owner("runner-fallback"), count=10, task_class=task_class)
+        archived(engine, owner("runner"), count=90, task_class=task_class)
+    suspicions = Suspicions(1)
+    assert guard_once(store, engine, settings, suspicions) == ["rollback Strict (native)"]
+    assert guard_once(store, engine, settings, suspicions) == ["rollback Patient (native)"]
+    assert guard_once(store, engine, settings, suspicions) == []
+    assert store.read().weight("Lax", NATIVE) == 2000
+
+
 def test_a_ramp_with_a_bad_new_side_is_rolled_back_not_stepped(db):
     engine, settings = db
     store = CanaryStore(engine, None)
