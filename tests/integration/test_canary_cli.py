@@ -330,7 +330,7 @@ def test_set_and_unset_change_one_class_and_level_and_keep_the_rest(cli):
     ("args", "refusal"),
     [
         ((FEED, "50"), f"{FEED}: only one level may be shared at a time"),
-        (("*", "50"), "*: the default weights are 0 or 100, without a ramp"),
+        (("*", "50"), "*: the default weights are 0 or 100, without a ramp or guard"),
         ((RAMPED, "50"), f"{RAMPED}: its ramp sets the bridge weight (unset it first)"),
     ],
 )

@@ -10,9 +10,11 @@ import pytest
 from services import url_of
 from sqlalchemy import Engine, select, text, update
 
+from bridge.canary.guard import read_window
+from bridge.canary.weights import BRIDGE, bucket, canary_of
 from bridge.config import load_settings
 from bridge.engine.batch import RUNNING_ELSEWHERE, Batch
-from bridge.engine.context import Runtime
+from bridge.engine.context import FixedCanary, Runtime
 from bridge.engine.redelivery import hand_back_redelivered
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
@@ -88,6 +90,28 @@ def test_a_redelivered_copy_hands_back_only_leases_no_live_run_holds(rt, elsewhe
     assert rows[running.id].leaseOwner == owner, "a live run keeps its lease"
     assert rows[dead.id].leaseOwner is None, "due again at once, for a new lease"
     assert finished.id not in rows
+
+
+def test_a_new_side_run_that_died_falls_back_and_counts_as_the_new_sides_failure(rt):
+    """Shared at 50% with phd, the redelivered copy's bridge-side rows go to phd for
+    good (failureTime set, no failure counted) and the guard's window counts each as a
+    fallback; phd's rows (a rollback sent them there meanwhile) are handed back."""
+    owner, items = leased(rt, 20)
+    rt.canary = FixedCanary(canary_of({CLASS: {"bridge": 50}}, None))
+    ours = {item.id for item in items if bucket(BRIDGE, item.id) < 5000}
+    assert 0 < len(ours) < len(items)
+    redelivery = hand_back_redelivered(rt, owner, items)
+    assert sorted(redelivery.handed_back) == sorted(item.id for item in items)
+    assert redelivery.fell_back == sorted(ours)
+    assert f"{len(ours)} fallen back to the old side" in redelivery.describe()
+    with rt.queue.engine.connect() as conn:
+        rows = {row.id: row for row in conn.execute(select(active))}
+    for item in items:
+        row = rows[item.id]
+        assert row.leaseOwner is None and row.failureCount == 0
+        assert (row.failureTime is not None) == (item.id in ours), item.id
+    window = read_window(rt.queue.engine, CLASS, BRIDGE, 300, 2000)
+    assert (window.new.runs, window.new.fallbacks) == (len(ours), len(ours))
 
 
 def test_a_message_does_not_run_a_lease_a_live_run_holds(rt, elsewhere):
