@@ -108,6 +108,13 @@ class Doctor:
         client.read_timeout = min(client.read_timeout, PROBE_TIMEOUT)
         return client
 
+    @cached_property
+    def canary_store(self) -> CanaryStore:
+        """Phorge's config table, where the gray migration's weights are (doctor says a
+        missing table in its own words)."""
+        assert self.settings is not None
+        return CanaryStore.for_settings(self.queue.engine, self.settings, warn_missing=False)
+
     @property
     def token_setting(self) -> str:
         assert self.settings is not None and self.settings.conduit is not None
@@ -528,17 +535,25 @@ def phds_share(canary: Canary) -> list[str]:
     return share
 
 
+def weights_after_the_canary_check(doctor: Doctor, name: str) -> Canary | Check:
+    """The weights for check ``name``, which needs the canary check; its verdict when
+    the gray migration is off."""
+    doctor.require("canary")
+    assert doctor.settings is not None
+    if not doctor.settings.canary:
+        return Check(name, "ok", "not applicable (BRIDGE_CANARY=false)")
+    return doctor.canary_store.read()
+
+
 def check_old_side(doctor: Doctor) -> Check:
     """A share the weights give phd has a live PhorgeBridgeQueueDaemon to run it: nothing
     else runs that share, and ``bin/phd start``, ``restart`` or a reboot does not start
     the daemon, so without this check its tasks would wait unseen."""
-    doctor.require("canary")
-    assert doctor.settings is not None
     name = "old side"
-    if not doctor.settings.canary:
-        return Check(name, "ok", "not applicable (BRIDGE_CANARY=false)")
-    canary = CanaryStore.for_settings(doctor.queue.engine, doctor.settings, warn_missing=False)
-    share = phds_share(canary.read())
+    canary = weights_after_the_canary_check(doctor, name)
+    if isinstance(canary, Check):
+        return canary
+    share = phds_share(canary)
     if not share:
         return Check(name, "ok", f"the weights leave phd nothing: no {QUEUE_DAEMON} needed")
     counted = count_daemons(doctor, name, QUEUE_DAEMON)
@@ -568,7 +583,7 @@ def check_canary(doctor: Doctor) -> Check:
     if not doctor.settings.canary:
         return Check("canary", "ok", "off (BRIDGE_CANARY=false): every class wholly on the bridge")
     engine = doctor.queue.engine
-    store = CanaryStore.for_settings(engine, doctor.settings, warn_missing=False)
+    store = doctor.canary_store
     try:
         values = store.read_values()
     except Exception as exc:
@@ -635,17 +650,15 @@ def check_canary_reach(doctor: Doctor) -> Check:
     class shared at the native level one that runs it natively with a PHP path beside (a
     rollback's old side): else its share waits for nobody, from what the workers announce."""
     doctor.require("broker")
-    doctor.require("canary")
     from bridge.celery import app
     from bridge.runtime.announce import announcements
     from bridge.runtime.consumers import INSPECT_TIMEOUT
 
-    assert doctor.settings is not None
     name = "canary reach"
-    if not doctor.settings.canary:
-        return Check(name, "ok", "not applicable (BRIDGE_CANARY=false)")
-    canary = CanaryStore.for_settings(doctor.queue.engine, doctor.settings, warn_missing=False)
-    weights = canary.read()
+    weights = weights_after_the_canary_check(doctor, name)
+    if isinstance(weights, Check):
+        return weights
+    assert doctor.settings is not None
     named = [c for c in weights.named if weights.weight(c, BRIDGE) > 0]
     if not named:
         return Check(name, "ok", "the weights name no class for the bridge")
