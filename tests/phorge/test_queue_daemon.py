@@ -556,3 +556,34 @@ def test_phorges_setup_issues_know_the_shipped_daemon_and_the_bridge(
     assert OLD_SIDE not in issues and NOTHING not in issues
     lab.set_weights({WORKER: {"bridge": 100}})
     assert OLD_SIDE not in lab.call("setup-issues"), "no share for phd: no daemon needed"
+
+
+def test_a_daemon_that_cannot_read_the_weights_takes_the_whole_shared_class(
+    fresh: Lab,
+) -> None:
+    """Fail closed, inside Phorge: with its config table gone from under it (as a lost
+    grant would), the daemon runs the bridge's half of a class shared at 50% too, said
+    once; the rows of a class wholly the bridge's it leaves alone."""
+    lab = fresh
+    lab.set_weights({WORKER: {"bridge": 50}})
+    ids = lab.schedule(noop(30))
+    bridges = lab.schedule(noop(5, OTHER))  # not named: 100%, the bridge's
+    ours = [i for i in ids if bucket(BRIDGE, i) < SCALE // 2]
+    assert 0 < len(ours) < len(ids)
+    table = f"`{lab.config_db}`.config_entry"
+    with daemon(lab) as d:
+        phds = len(ids) - len(ours)
+        wait_for(lambda: len(lab.archived(ids)) == phds, "phd's share archived", d)
+        assert not lab.archived(ours), "the bridge's half waits for the bridge"
+        lab.sql(f"RENAME TABLE {table} TO {table}_hidden")
+        try:
+            wait_for(lambda: len(lab.archived(ids)) == len(ids), "the whole class", d)
+            # The daemon's output reaches its log a moment after its work.
+            last = f"Task {max(ours)} complete!"
+            wait_for(lambda: last in d.output(), "the daemon's log of its last task", d)
+        finally:
+            lab.sql(f"RENAME TABLE {table}_hidden TO {table}")
+        said = d.output().count("can not read")
+    assert said == 1
+    assert all(row["result"] == 0 for row in lab.rows(ids).values())
+    assert all(untouched(row) for row in lab.rows(bridges).values())
