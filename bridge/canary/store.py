@@ -225,8 +225,9 @@ class CanaryStore:
     def edit_weights(self, change: Callable[[Any], dict[str, Any]]) -> tuple[Any, dict[str, Any]]:
         """Apply ``change`` to the operator's option (its value as PHP decodes it) in one
         transaction, the row locked FOR UPDATE, so that neither a concurrent edit nor a
-        ``bin/config set`` is lost; ``change`` raises ConfigError to refuse, as does a
-        value refused as it stands (``bin/config set`` fixes that). Returns the value
+        ``bin/config set`` is lost. Raises ConfigError, writing nothing, when ``change``
+        refuses, when its result is not weights the bridge and PHP accept, or when the
+        value as it stands is refused (``bin/config set`` fixes that). Returns the value
         before and after; no ``config_transaction`` row, so phd's daemons stay up."""
         result: list[tuple[Any, dict[str, Any]]] = []
 
@@ -234,6 +235,7 @@ class CanaryStore:
             before = decode_weights(raw)
             parse_weights(before)
             after = change(before)
+            parse_weights(after)
             result[:] = [(before, after)]
             return None if after == before else encode(after)
 

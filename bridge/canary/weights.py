@@ -226,8 +226,8 @@ def parse_weights(value: Any) -> dict[str, ClassWeights]:
 
 def with_weight(value: Any, task_class: str, level: str, weight: float) -> dict[str, Any]:
     """The option's value (decoded JSON) with ``task_class`` at ``weight`` percent at
-    ``level``, every other class and level as it was; raises ConfigError naming what
-    cannot be honoured (a ramp owns that level; or the result is not valid weights)."""
+    ``level``, every other class and level as it was; raises ConfigError when a ramp
+    owns that level (whether the result is valid is the store's to check)."""
     current = dict(_as_object(value)) if value is not None else {}
     entry = dict(_object(current.get(task_class)) or {})
     ramp = _object(entry.get("ramp"))
@@ -236,9 +236,7 @@ def with_weight(value: Any, task_class: str, level: str, weight: float) -> dict[
             OPTION, f"{task_class}: its ramp sets the {level} weight (unset it first)"
         )
     entry[level] = int(weight) if float(weight).is_integer() else weight
-    changed = {**current, task_class: entry}
-    parse_weights(changed)
-    return changed
+    return {**current, task_class: entry}
 
 
 def without_weight(value: Any, task_class: str, level: str | None) -> dict[str, Any]:
@@ -260,7 +258,6 @@ def without_weight(value: Any, task_class: str, level: str | None) -> dict[str, 
     changed = {k: v for k, v in current.items() if k != task_class}
     if level is not None and kept:
         changed[task_class] = kept
-    parse_weights(changed)
     return changed
 
 
