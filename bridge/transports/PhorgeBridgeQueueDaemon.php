@@ -434,10 +434,8 @@ final class PhorgeBridgeQueueSetupCheck extends PhabricatorSetupCheck {
         ->withDaemonClasses(
           array('PhabricatorTaskmasterDaemon', 'PhorgeBridgeQueueDaemon'))
         ->execute();
-      $raw = PhorgeBridgeCanary::readOptions();
-      $canary = PhorgeBridgeCanary::newFromValues(
-        json_decode(idx($raw, PhorgeBridgeCanary::OPTION, 'null'), true),
-        json_decode(idx($raw, PhorgeBridgeCanary::STATE_OPTION, 'null'), true));
+      // Read as the daemon reads it; unreadable, it names no share.
+      $canary = id(new PhorgeBridgeCanary())->refresh();
       $beat = self::isBeatRunning();
     } catch (Exception $ex) {
       // As Phorge's own daemon check: skip when it can not tell.
