@@ -30,6 +30,11 @@ from bridge.handlers.api import Handler
 from bridge.handlers.capabilities import is_available
 from bridge.queue.model import InFlight, Leased
 
+# Seconds a poll's lease lasts until the broker took its messages (then the dispatch
+# lease): sending takes milliseconds, and a poll killed before it leaves its rows this
+# long, not the dispatch lease (a message sent late finds its lease gone and runs none).
+SEND_LEASE = 15
+
 
 class Send(Protocol):
     def __call__(
@@ -185,10 +190,13 @@ def fill(
         wanted = min(limit - in_flight, max(1, round(pace.busy) if pace else 1))
     else:
         wanted = target - in_flight
+    # Leased for a moment, then for the dispatch lease once sent: a poll that dies in
+    # between (its worker killed) leaves rows due again within SEND_LEASE seconds.
+    first_lease = min(settings.dispatch_lease, SEND_LEASE)
     owner, tasks = rt.queue.lease_to_send(
         wanted,
         settings.owner_prefix,
-        settings.dispatch_lease,
+        first_lease,
         classes,
         settings.inline_data_max,
         now=now,
@@ -206,6 +214,8 @@ def fill(
             size = batch_size(in_flight + len(tasks), settings.batch_max)
         repoll_at = _repoll_at(len(tasks), size, target, paced=ahead is not None)
     done = send(owner, tasks, queue, size, repoll_at=repoll_at)
+    if done and settings.dispatch_lease > first_lease:
+        rt.queue.extend_sent([t.id for t in tasks[:done]], owner, settings.dispatch_lease)
     if done < len(tasks):
         # The broker refused: hand the unsent leases back at once rather than letting
         # them wait out the dispatch lease.

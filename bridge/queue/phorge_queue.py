@@ -366,6 +366,14 @@ class PhorgeQueue:
         with self.engine.connect() as conn:
             return list(conn.execute(sql.select_task_classes()).scalars())
 
+    def extend_sent(self, ids: Sequence[int], owner: str, seconds: int) -> int:
+        """Give rows whose messages were sent their dispatch lease (``seconds``)."""
+        if not ids:
+            return 0
+        return self.transaction(
+            lambda conn: conn.execute(sql.extend_sent_leases(ids, owner, seconds)).rowcount
+        )
+
     def free_own(self, ids: Sequence[int], owner: str) -> int:
         """Hand back leases ``owner`` holds but never started; returns how many."""
         if not ids:

@@ -544,6 +544,20 @@ def insert_archive(row: Any, result: int, duration_us: int, **overrides: Any) ->
     )
 
 
+def extend_sent_leases(ids: Sequence[int], owner: str, seconds: int) -> Update:
+    """The dispatch lease of rows whose messages the broker took (the poll leased them
+    for a moment only, so that a poll that dies before sending frees them soon); never
+    shortens a lease a run has renewed further."""
+    until = db_now() + seconds
+    return (
+        update(active)
+        .where(
+            active.c.id.in_(list(ids)), active.c.leaseOwner == owner, active.c.leaseExpires < until
+        )
+        .values(leaseExpires=until)
+    )
+
+
 def free_own_leases(ids: Sequence[int], owner: str) -> Update:
     """Hand back leases this owner never started (shutdown), so they are due at once."""
     return (

@@ -292,6 +292,39 @@ def test_a_broker_refusal_hands_back_the_unsent_leases(make_runtime, monkeypatch
     assert [owner for task_id, owner in owners.items() if task_id not in sent_ids] == [None] * 2
 
 
+class Killed(BaseException):
+    """The poll's process dying mid-send: nothing after it runs (no hand-back)."""
+
+
+def test_a_poll_killed_before_sending_leaves_its_rows_due_within_seconds(make_runtime, monkeypatch):
+    """Leased for ``SEND_LEASE`` s, then for the dispatch lease once the broker took the
+    message: rows a dead poll never sent are due again in seconds, not 300."""
+    rt = make_runtime()
+    ids = enqueue(rt, FAST, count=3)
+    sent_ids = []
+
+    def die_after_one(_app, producer, queue, name, args, *_rest) -> None:
+        if sent_ids:
+            raise Killed
+        sent_ids.append(args[0])
+
+    monkeypatch.setattr(dispatch, "publish", die_after_one)
+    with pytest.raises(Killed):
+        poll_once(rt)
+    leases = {t.id: t.lease_expires - t.server_time for t in rt.queue.list(TaskFilter(ids=ids))}
+    assert all(0 < leases[i] <= poll.SEND_LEASE for i in ids), leases
+    monkeypatch.undo()
+    assert poll_once_sending_all(rt) == 0, "the dead poll's rows are leased until then"
+    rt.queue.extend_sent(ids[:1], "someone-else", DISPATCH_LEASE)  # fenced on the owner
+    assert max(t.lease_expires - t.server_time for t in rt.queue.list(TaskFilter(ids=ids))) <= (
+        poll.SEND_LEASE
+    )
+
+
+def poll_once_sending_all(rt: Runtime) -> int:
+    return poll.poll_once(rt, lambda owner, tasks, queue, size, repoll_at=None: len(tasks))
+
+
 def test_paced_every_dispatch_marks_its_middle_message(make_runtime, sent):
     rt = make_runtime(DISPATCH_AHEAD="0.25")
     enqueue(rt, FAST, count=5)
