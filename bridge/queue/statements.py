@@ -38,6 +38,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    not_,
     or_,
     select,
     text,
@@ -547,12 +548,16 @@ def insert_archive(row: Any, result: int, duration_us: int, **overrides: Any) ->
 def extend_sent_leases(ids: Sequence[int], owner: str, seconds: int) -> Update:
     """The dispatch lease of rows whose messages the broker took (the poll leased them
     for a moment only, so that a poll that dies before sending frees them soon); never
-    shortens a lease a run has renewed further."""
+    shortens a lease a run has renewed further, nor stretches the retry wait of a run
+    that already failed (a failed row keeps its owner)."""
     until = db_now() + seconds
     return (
         update(active)
         .where(
-            active.c.id.in_(list(ids)), active.c.leaseOwner == owner, active.c.leaseExpires < until
+            active.c.id.in_(list(ids)),
+            active.c.leaseOwner == owner,
+            active.c.leaseExpires < until,
+            not_(_waiting_to_retry()),
         )
         .values(leaseExpires=until)
     )

@@ -321,6 +321,24 @@ def test_a_poll_killed_before_sending_leaves_its_rows_due_within_seconds(make_ru
     )
 
 
+def test_a_run_that_failed_before_its_poll_gave_the_dispatch_lease_keeps_its_retry_wait(
+    make_runtime,
+):
+    """The worker can run a message, and fail it, before the poll's UPDATE that gives the
+    sent rows their dispatch lease: the row keeps its owner, and its retry wait stays."""
+    rt = make_runtime()
+    [task_id] = enqueue(rt, FAST)
+
+    def run_and_fail_at_once(owner, tasks, queue, size, repoll_at=None) -> int:
+        for task in tasks:
+            assert outcomes.fail_temporary(rt.queue, task.id, owner, 5)
+        return len(tasks)
+
+    assert poll.poll_once(rt, run_and_fail_at_once) == 1
+    [task] = rt.queue.list(TaskFilter(ids=[task_id]))
+    assert task.failure_count == 1 and 0 < task.lease_expires - task.server_time <= 5
+
+
 def poll_once_sending_all(rt: Runtime) -> int:
     return poll.poll_once(rt, lambda owner, tasks, queue, size, repoll_at=None: len(tasks))
 
