@@ -576,7 +576,9 @@ class Settings:
         "BRIDGE_CANARY_HISTORY",
         "86400",
         _positive_int,
-        "seconds of the old side's runs the canary guard reads when its window holds too few",
+        "seconds of the canary guard's long window (kept per minute in its process), which "
+        "small differences at low traffic need, and where the window's old side is taken "
+        "from when it holds too few runs",
     )
     canary_min_runs: int = setting(
         "BRIDGE_CANARY_MIN_RUNS",

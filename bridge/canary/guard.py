@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 
 from bridge.canary import sql
+from bridge.canary.ledger import Ledger
 from bridge.canary.significance import excess_failures_p
+from bridge.canary.sql import MINUTE
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import (
     FELL_BACK,
@@ -56,6 +58,11 @@ log = logging.getLogger(__name__)
 MICROSECONDS = 1_000_000  # the archive's ``duration`` unit
 PAGE_ROWS = 1000  # archive rows read at a time, newest first, until the window is cut
 OLD_RUNS_PER_NEW = 4  # the old side's runs, per new-side run of max_runs, that cut it
+# The long window is cut where the new side has this many times the short window's
+# runs: 3% failing against 1% can take more than 2,000 new-side runs to prove (2,374 on
+# one of 60 simulated days, tests/helpers/guard_days.py), and a cut keeps a new fault
+# from being diluted by a day of good runs.
+LONG_RUNS_PER_SHORT = 5
 
 
 @dataclass(frozen=True)
@@ -189,14 +196,51 @@ def summed_window(engine: Engine, task_class: str, level: str, seconds: int) -> 
     new, old = _Tally(0), _Tally(0)
     with engine.connect() as conn:
         now = int(conn.execute(sql.server_time()).scalar_one())
-        for row in conn.execute(sql.summed_runs(task_class, seconds)).all():
-            side, shown = side_of(level, row.label), row.label or PHD
-            if side == FELL_BACK:
-                new.fell_back(row.rows)
-            tally = new if side == NEW else old
-            tally.archived_rows(row.rows, int(row.failures), row.result, shown)
+        for row in conn.execute(sql.minute_runs(task_class, now - seconds - 1, now)).all():
+            _count_summed(new, old, level, row.label, row.result, int(row.rows), int(row.failures))
         _failing(conn, new, old, task_class, level, now - seconds)
     return Window(task_class, level, seconds, new.stats(), old.stats())
+
+
+def long_window(
+    engine: Engine,
+    ledger: Ledger,
+    task_class: str,
+    level: str,
+    span: tuple[int, int],
+    max_runs: int,
+) -> Window:
+    """``task_class``'s runs from the ledger's minutes of ``span`` (its first and last
+    second, the database's clock), newest first, cut for both sides at once at the
+    first whole minute where the new side has ``max_runs`` runs (the old side has no
+    cap: its runs cost no read), and the active rows that failed since; without
+    durations."""
+    since, now = span
+    new, old = _Tally(max_runs), _Tally(0)
+    start = since
+    with engine.connect() as conn:
+        for minute, counts in ledger.minutes(conn, task_class, now):
+            if minute * MINUTE < since:
+                break
+            for (label, result), (rows, failures) in counts.items():
+                _count_summed(new, old, level, label, result, rows, failures)
+            if new.full:
+                start = minute * MINUTE
+                break
+        _failing(conn, new, old, task_class, level, start)
+    return Window(task_class, level, now - start, new.stats(), old.stats())
+
+
+def _count_summed(
+    new: _Tally, old: _Tally, level: str, label: str | None, result: int, rows: int, failures: int
+) -> None:
+    """Summed archive rows of one label and result onto their side (a fallback onto
+    both)."""
+    side, shown = side_of(level, label), label or PHD
+    if side == FELL_BACK:
+        new.fell_back(rows)
+    tally = new if side == NEW else old
+    tally.archived_rows(rows, failures, result, shown)
 
 
 def _failing(
@@ -386,23 +430,44 @@ def _ramp(store: CanaryStore, canary: Canary, task_class: str, level: str, now: 
     return f"step {task_class} ({level}) {weight:g}%"
 
 
-def judged_window(
-    engine: Engine, task_class: str, level: str, seconds: int, settings: Settings, min_runs: int
-) -> Window:
-    """The window the guard judges: the old side from its longer history
-    (``BRIDGE_CANARY_HISTORY``) when the window holds fewer than ``min_runs`` of its
-    runs."""
-    window = read_window(engine, task_class, level, seconds, settings.canary_window_runs)
-    if window.old.runs >= min_runs or settings.canary_history <= seconds:
-        return window
-    history = read_window(
-        engine, task_class, level, settings.canary_history, settings.canary_window_runs
-    )
-    return replace(window, old=history.old)
+def judged_windows(
+    engine: Engine,
+    ledger: Ledger,
+    task_class: str,
+    level: str,
+    now: int,
+    settings: Settings,
+    promoted: int | None,
+    min_runs: int,
+) -> tuple[Window, Window]:
+    """The two windows the guard judges, both since the promotion if there was one:
+    the short one (``BRIDGE_CANARY_WINDOW``, read row by row, with durations), quick to
+    show a large difference, and the long one (``BRIDGE_CANARY_HISTORY``, from the
+    ledger), which a small one at low traffic needs. The short window's old side is
+    the history's when it holds fewer than ``min_runs`` runs (the old side's history is
+    evidence whatever the promotion)."""
+    seconds, history = settings.canary_window, now - settings.canary_history
+    if promoted is not None:
+        seconds = max(0, min(seconds, now - promoted))
+    short = read_window(engine, task_class, level, seconds, settings.canary_window_runs)
+    runs = LONG_RUNS_PER_SHORT * settings.canary_window_runs
+
+    def over(since: int) -> Window:
+        return long_window(engine, ledger, task_class, level, (since, now), runs)
+
+    long = over(history if promoted is None else max(history, promoted))
+    if short.old.runs < min_runs:
+        old = long.old if promoted is None or promoted <= history else over(history).old
+        short = replace(short, old=old)
+    return short, long
 
 
 def guard_once(
-    store: CanaryStore, engine: Engine, settings: Settings, suspicions: Suspicions
+    store: CanaryStore,
+    engine: Engine,
+    settings: Settings,
+    suspicions: Suspicions,
+    ledger: Ledger | None = None,
 ) -> list[str]:
     """Judge every shared class once: roll back those the new side was found worse for
     on ``failure_limit`` evaluations in a row, and move a quiet ramp to its next step.
@@ -411,6 +476,7 @@ def guard_once(
     if not store.read().partial():
         return []
     bounds = Bounds.from_settings(settings)
+    ledger = ledger or Ledger(settings.canary_history)
     made: list[str] = []
     with guard_lock(engine, settings.owner_prefix) as now:
         if now is None:
@@ -419,14 +485,13 @@ def guard_once(
         for task_class, level, _weight in canary.partial():
             # Since a promotion only: the runs that made the rollback are judged already.
             promoted = canary.state.promoted_at(task_class, level)
-            seconds = settings.canary_window
-            if promoted is not None:
-                seconds = max(0, min(seconds, now - promoted))
             # The class's own bounds over the settings' (``"guard"`` in its weights).
             own: dict[str, Any] = dict(canary.configured(task_class).guard)
             mine = replace(bounds, **own)
-            window = judged_window(engine, task_class, level, seconds, settings, mine.min_runs)
-            reason = verdict(window, mine)
+            short, long = judged_windows(
+                engine, ledger, task_class, level, now, settings, promoted, mine.min_runs
+            )
+            reason = verdict(short, mine) or verdict(long, mine)
             if suspicions.confirmed(task_class, level, reason, own.get("failure_limit")):
                 if _trip(store, task_class, level, now, str(reason)):
                     made.append(f"rollback {task_class} ({level})")

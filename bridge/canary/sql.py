@@ -32,6 +32,7 @@ from bridge.queue.schema import worker_archivetask as archive
 # PhabricatorConfigEntry::loadConfigEntry() and PhabricatorConfigDatabaseSource read
 # the options of this namespace only.
 NAMESPACE = "default"
+MINUTE = 60  # seconds a bucket of the guard's long window sums
 
 
 def read_options(table: Table, keys: tuple[str, ...]) -> Select[Any]:
@@ -129,23 +130,27 @@ def archived_runs(
     )
 
 
-def summed_runs(task_class: str, seconds: int) -> Select[Any]:
-    """``task_class``'s archive rows of the last ``seconds`` summed by who ran them and
-    how they ended: rows and their earlier failures per (label, result), so that a day
+def minute_runs(task_class: str, after: int, upto: int) -> Select[Any]:
+    """``task_class``'s archive rows archived after ``after`` and at or before ``upto``
+    (``dateModified``, through ``key_modified``), summed per minute, who ran them and how
+    they ended: rows and their earlier failures per (minute, label, result), so that a day
     of runs is counted by the server, not read row by row."""
+    minute = archive.c.dateModified // MINUTE
     label = owner_label(archive.c.leaseOwner)
     return (
         select(
+            minute.label("minute"),
             label.label("label"),
             archive.c.result,
             func.count().label("rows"),
             func.coalesce(func.sum(archive.c.failureCount), 0).label("failures"),
         )
         .where(
-            archive.c.dateModified >= db_now() - seconds,
+            archive.c.dateModified > after,
+            archive.c.dateModified <= upto,
             archive.c.taskClass == task_class,
         )
-        .group_by(label, archive.c.result)
+        .group_by(minute, label, archive.c.result)
     )
 
 

@@ -21,6 +21,7 @@ from celery import Celery, Task
 
 from bridge.assembly import runtime
 from bridge.canary.guard import Suspicions, guard_once
+from bridge.canary.ledger import Ledger
 from bridge.canary.store import CanaryStore
 from bridge.errors import DatabaseUnavailable
 from bridge.metrics import GUARD_JUDGED
@@ -32,27 +33,28 @@ log = logging.getLogger(__name__)
 
 GUARD_ENTRY = "canary-guard"  # its name in beat's schedule
 
-_judges: dict[int, tuple[CanaryStore, Suspicions]] = {}
+_judges: dict[int, tuple[CanaryStore, Suspicions, Ledger]] = {}
 
 
-def judge() -> tuple[CanaryStore, Suspicions]:
-    """This process's store of the canary options and its count of consecutive bad
-    evaluations (fresh ones in each forked child)."""
+def judge() -> tuple[CanaryStore, Suspicions, Ledger]:
+    """This process's store of the canary options, its count of consecutive bad
+    evaluations and its ledger of the long window (fresh ones in each forked child)."""
     pid = os.getpid()
     if pid not in _judges:
         rt = runtime()
         _judges.clear()
         store = CanaryStore.for_settings(rt.queue.engine, rt.settings)
-        _judges[pid] = (store, Suspicions(rt.settings.canary_failure_limit))
+        suspicions = Suspicions(rt.settings.canary_failure_limit)
+        _judges[pid] = (store, suspicions, Ledger(rt.settings.canary_history))
     return _judges[pid]
 
 
 def canary_guard(self: Task[Any, Any]) -> list[str]:
     """Run the guard once; returns what it did (rollbacks, ramp steps)."""
     rt = runtime()
-    store, suspicions = judge()
+    store, suspicions, ledger = judge()
     try:
-        done = guard_once(store, rt.queue.engine, rt.settings, suspicions)
+        done = guard_once(store, rt.queue.engine, rt.settings, suspicions, ledger)
     except Exception as exc:
         if not (isinstance(exc, DatabaseUnavailable) or is_transient(exc)):
             raise

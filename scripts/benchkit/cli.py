@@ -23,7 +23,17 @@ from typing import Any
 
 import MySQLdb
 
-from benchkit import consumers, mariadb, phorge, phorgedb, plan, procs, rabbit, runner
+from benchkit import (
+    consumers,
+    guard_cost,
+    mariadb,
+    phorge,
+    phorgedb,
+    plan,
+    procs,
+    rabbit,
+    runner,
+)
 from benchkit.consumers import REPO, Bridge, Consumer, Phd, ReferenceTaskmaster, SqlLoop
 from benchkit.plan import Scenario
 from benchkit.procs import BenchError
@@ -163,6 +173,20 @@ def facts(conn: MySQLdb.Connection) -> dict[str, str]:
     return found | {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def guard_costs(args: argparse.Namespace) -> int:
+    """``--guard-cost``: the canary readers on the bench's durable MariaDB alone."""
+    with ExitStack() as stack:
+        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bridge-bench-")))
+        log(f"starting a durable MariaDB on 127.0.0.1:{args.port}")
+        server = stack.enter_context(mariadb.private_server(args.port, scratch))
+        conn = server.connect()
+        stack.callback(conn.close)
+        text = guard_cost.run(conn, server.url(phorgedb.DATABASE), DDL, CONFIG_DDL)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
 def interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -176,7 +200,10 @@ def main(tuned: dict[str, str], argv: list[str] | None = None) -> int:
     add("--quick", action="store_true", help="fewer tasks and deployments: a smoke run")
     add("--only", default="", help="comma-separated globs of scenario names (see --list)")
     add("--list", action="store_true", help="print the scenario names and exit")
+    add("--guard-cost", action="store_true", help="only the canary readers' cost at 1M rows")
     args = parser.parse_args(argv)
+    if args.guard_cost:
+        return guard_costs(args)
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
     scenarios = plan.build(args.quick, bool(os.environ.get("PHORGE_ROOT")), args.only)
     if args.list or not scenarios:

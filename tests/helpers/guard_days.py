@@ -3,10 +3,13 @@ each run failing at its side's rate, and the guard's own ``verdict`` and
 ``Suspicions`` judging the window every second, as beat has it do. A day ends at its
 first rollback.
 
-The window is the guard's: the last ``window`` seconds, cut for both sides at once where
-the new side has ``window_runs`` runs or the old side four times that
-(``guard.read_window``), to the second. A failure counts when it happens, as the guard
-now counts the active rows' failures.
+The windows are the guard's (``guard.judged_windows``), to the second: the short one, the
+last ``window`` seconds, cut for both sides at once where the new side has
+``window_runs`` runs or the old side four times that (``guard.read_window``); and the
+long one, the last ``history`` seconds, cut where the new side has
+``LONG_RUNS_PER_SHORT`` times ``window_runs`` runs (``guard.long_window``: the ledger's
+minutes, and its ``SETTLE`` s, are not simulated).
+A failure counts when it happens, as the guard counts the active rows' failures.
 
 Run as a script for the table docs/operations.md quotes::
 
@@ -24,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bridge.canary.guard import (
+    LONG_RUNS_PER_SHORT,
     OLD_RUNS_PER_NEW,
     Bounds,
     SideStats,
@@ -61,6 +65,7 @@ def simulate(
     bounds: Bounds | None = None,
     window: int | None = None,
     window_runs: int | None = None,
+    history: int | None = None,
 ) -> Day:
     """One day (or ``seconds``) of ``traffic``; the guard's settings are the defaults
     unless given."""
@@ -68,6 +73,7 @@ def simulate(
     bounds = bounds or Bounds.from_settings(defaults)
     window = window or defaults.canary_window
     window_runs = window_runs or defaults.canary_window_runs
+    history = history or defaults.canary_history
     rng = np.random.default_rng(seed)
     new_runs = rng.poisson(traffic.per_second * traffic.share, seconds)
     old_runs = rng.poisson(traffic.per_second * (1 - traffic.share), seconds)
@@ -79,30 +85,54 @@ def simulate(
     ]
     runs_new, runs_old, fails_new, fails_old = sums
     t = np.arange(1, seconds + 1)
-    # The window's start for each second: the cut, where a side reaches its cap, or the
-    # window's own start, whichever is later.
-    cut_new = np.searchsorted(runs_new, runs_new[t] - window_runs, side="right") - 1
-    cut_old = (
-        np.searchsorted(runs_old, runs_old[t] - OLD_RUNS_PER_NEW * window_runs, side="right") - 1
+
+    def cut(runs: np.ndarray, cap: int) -> np.ndarray:
+        """For each second, where a side's newest ``cap`` runs begin."""
+        return np.searchsorted(runs, runs[t] - cap, side="right") - 1
+
+    def counts(start: np.ndarray) -> list[np.ndarray]:
+        """Each second's window from ``start``: new runs, new failures, old runs, old
+        failures."""
+        return [a[t] - a[start] for a in (runs_new, fails_new, runs_old, fails_old)]
+
+    # The short window: the last ``window`` s, cut where a side reaches its cap.
+    new_cut = cut(runs_new, window_runs)
+    old_cut = cut(runs_old, OLD_RUNS_PER_NEW * window_runs)
+    short_start = np.maximum.reduce([np.maximum(t - window, 0), new_cut, old_cut])
+    short = counts(short_start)
+    # The long one (the ledger's): the last ``history`` s, cut at the new side's cap only.
+    long_start = np.maximum(
+        np.maximum(t - history, 0), cut(runs_new, LONG_RUNS_PER_SHORT * window_runs)
     )
-    start = np.maximum.reduce([np.maximum(t - window, 0), cut_new, cut_old])
-    n_new, n_old = runs_new[t] - runs_new[start], runs_old[t] - runs_old[start]
-    f_new, f_old = fails_new[t] - fails_new[start], fails_old[t] - fails_old[start]
-    # An evaluation whose new side fails no more often than the old cannot trip: the
-    # guard's verdict is skipped there (and its count of bad evaluations in a row reset).
-    worse = f_new * np.maximum(n_old, bounds.min_runs) > f_old * n_new
+    long = counts(long_start)
+    few_old = short[2] < bounds.min_runs  # the short window's old side is the history's
+    short[2] = np.where(few_old, long[2], short[2])
+    short[3] = np.where(few_old, long[3], short[3])
+    spans = (t - short_start, t - long_start)
+
+    def worse(n_new, f_new, n_old, f_old):
+        return f_new * np.maximum(n_old, bounds.min_runs) > f_old * n_new
+
+    # An evaluation whose new side fails no more often than the old in either window
+    # cannot trip: the verdict is skipped there (and the count of bad evaluations reset).
+    suspect = worse(*short) | worse(*long)
     suspicions = Suspicions(bounds.failure_limit)
     judged: dict[tuple[int, ...], str | None] = {}
-    for i in range(seconds):
-        if not worse[i]:
-            suspicions.confirmed("C", NATIVE, None)
-            continue
-        key = (int(n_new[i]), int(f_new[i]), int(n_old[i]), int(f_old[i]), int(t[i] - start[i]))
+
+    def judge(i: int, window: list[np.ndarray], span: np.ndarray) -> str | None:
+        key = (*(int(a[i]) for a in window), int(span[i]))
         if key not in judged:  # the verdict is a function of the counts
             new = SideStats(runs=key[0], successes=key[0] - key[1])
             old = SideStats(runs=key[2], successes=key[2] - key[3])
             judged[key] = verdict(Window("C", NATIVE, key[4], new, old), bounds)
-        if suspicions.confirmed("C", NATIVE, judged[key]):
+        return judged[key]
+
+    for i in range(seconds):
+        if not suspect[i]:
+            suspicions.confirmed("C", NATIVE, None)
+            continue
+        reason = judge(i, short, spans[0]) or judge(i, long, spans[1])
+        if suspicions.confirmed("C", NATIVE, reason):
             end = int(t[i])
             return Day(
                 end, int(runs_new[end]), int(fails_new[end]), int(runs_new[end] + runs_old[end])
@@ -118,6 +148,14 @@ EQUAL = [
 ]
 
 
+WORSE = [
+    Traffic(per_second, share, new, 0.01)
+    for new in (0.03, 0.3)
+    for per_second in (1, 10, 100)
+    for share in (0.05, 0.2)
+]
+
+
 def main(days: int) -> None:
     print("| tasks/s | share | failing (both) | days with a false rollback |")
     print("|---|---|---|---|")
@@ -126,6 +164,22 @@ def main(days: int) -> None:
         print(
             f"| {traffic.per_second:g} | {traffic.share:.0%} | {traffic.old_failing:.0%} "
             f"| {tripped} of {days} |",
+            flush=True,
+        )
+    print(
+        "\n| new side failing (old 1%) | tasks/s | share | new-side runs before the rollback "
+        "| seconds | days without one |"
+    )
+    print("|---|---|---|---|---|---|")
+    for traffic in WORSE:
+        found = [simulate(traffic, seed) for seed in range(days)]
+        caught = [day for day in found if day.tripped_at is not None]
+        runs = sorted(day.new_runs for day in caught) or [0]
+        took = sorted(day.tripped_at or 0 for day in caught) or [0]
+        print(
+            f"| {traffic.new_failing:.0%} | {traffic.per_second:g} | {traffic.share:.0%} "
+            f"| {runs[0]:,}-{runs[-1]:,} | {took[0]:,}-{took[-1]:,} "
+            f"| {len(found) - len(caught)} |",
             flush=True,
         )
 

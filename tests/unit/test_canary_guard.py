@@ -19,10 +19,12 @@ from bridge.canary.guard import (
     Suspicions,
     Window,
     guard_once,
+    long_window,
     read_window,
     summed_window,
     verdict,
 )
+from bridge.canary.ledger import SETTLE, Ledger
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import BRIDGE, NATIVE, CanaryState, stored
 from bridge.config import load_settings
@@ -208,8 +210,11 @@ def test_a_summed_span_counts_what_reading_each_row_counts(engine, level):
     failed_rows(engine, owner("runner"), 1)  # failed on the old side, waiting for its retry
     each = read_window(engine, "C", level, 300, 500)
     summed = summed_window(engine, "C", level, 300)
+    now = int(time.time())
+    ledger = long_window(engine, Ledger(3600), "C", level, (now - 300, now + SETTLE), 500)
     for side in ("new", "old"):
         assert getattr(summed, side) == replace(getattr(each, side), p50=None, p99=None), side
+        assert getattr(ledger, side) == getattr(summed, side), side
     assert each.new.runs and each.old.runs
 
 
@@ -319,6 +324,58 @@ def test_an_old_side_with_few_runs_in_the_window_is_judged_by_its_history(db):
     store.set_weights({"C": {"native": 20}})
     store.change_state(lambda s: s.with_promotion("C", NATIVE, int(time.time()) - 60, 20.0, "t"))
     assert guard_once(store, engine, history, Suspicions(1)) == [], "10 successes: no proof"
+
+
+def minutes_total(engine: sa.Engine, ledger: Ledger, now: int) -> int:
+    """The archive rows of class C the ledger holds at ``now``."""
+    with engine.connect() as conn:
+        return sum(
+            rows for _, counts in ledger.minutes(conn, "C", now) for rows, _ in counts.values()
+        )
+
+
+def test_the_ledger_adds_each_row_once_and_forgets_what_left_its_span(db):
+    engine, _ = db
+    ledger, now = Ledger(span=3600), int(time.time())
+    archived(engine, owner("native"), count=3, age=100)
+    archived(engine, owner("native"), count=2, age=4000)  # before the span
+    assert minutes_total(engine, ledger, now) == 3
+    archived(engine, owner("native"), count=4, age=2)  # too young: its commit may trail
+    assert minutes_total(engine, ledger, now) == 3
+    assert minutes_total(engine, ledger, now + SETTLE) == 7
+    assert minutes_total(engine, ledger, now + SETTLE) == 7, "each row once"
+    assert minutes_total(engine, ledger, now + 3600 - 20) == 4, "the first 3 left the span"
+    assert minutes_total(engine, ledger, now + 3 * 3600) == 0, "unseen for longer: afresh"
+
+
+def spread(engine: sa.Engine, label: str, runs: int, failed: int, hours: int) -> None:
+    """``runs`` archive rows run by ``label`` over the last ``hours``, ``failed`` of them
+    failed for good, both spread evenly."""
+    batches = 10 * hours
+    for batch in range(batches):
+        age = 10 + batch * 360
+        archived(engine, owner(label), count=(runs - failed) // batches, age=age)
+        archived(engine, owner(label), count=failed // batches, result=1, age=age)
+
+
+def test_a_small_difference_at_low_traffic_is_caught_by_the_long_window(db):
+    """3% failing against 1%, a class at 1 task/s with a 20% share over three hours:
+    the short window's 60 new-side runs prove nothing, the history's 2,040 do."""
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights({"C": {"native": 20}})
+    spread(engine, "native", 2040, 60, hours=3)
+    spread(engine, "runner", 8040, 90, hours=3)
+    short_only = load_settings(
+        {"BRIDGE_DATABASE_URL": str(engine.url), "BRIDGE_CANARY_HISTORY": "300"}
+    )
+    assert guard_once(store, engine, short_only, Suspicions(1)) == []
+    ledger = Ledger(settings.canary_history)
+    assert guard_once(store, engine, settings, Suspicions(1), ledger) == ["rollback C (native)"]
+    reason = store.read().state.of("C", NATIVE).reason or ""
+    assert reason.startswith(
+        "new side success 97.1 percent over 2040 runs, old side 98.9 percent over 8040 runs"
+    ), reason
 
 
 WEIGHTS = {"C": {"native": 20}, "Quiet": {"native": 20}}
