@@ -247,14 +247,18 @@ def _failing(
     conn: Connection, new: _Tally, old: _Tally, task_class: str, level: str, start: int
 ) -> None:
     """The active rows that failed since ``start``, onto their sides: a fallback waiting
-    for the old side, a temporary failure waiting for its retry."""
+    for the old side, a temporary failure waiting for its retry (the old side's run of a
+    fallback that failed too: both sides' failures)."""
     for row in conn.execute(sql.failed_in_window(task_class, start)).all():
         label = label_of(row.leaseOwner)
         if row.failureCount == 0:  # only a fallback leaves a failure time and no count
             new.fell_back()
-        else:
-            tally = new if side_of(level, label) == NEW else old
-            tally.failed_for_now(row.failureCount, label or PHD)
+            continue
+        side = side_of(level, label)
+        if side == FELL_BACK:  # the old side failed it too, after the new side had
+            new.fell_back()
+        tally = new if side == NEW else old
+        tally.failed_for_now(row.failureCount, label or PHD)
 
 
 def _count(new: _Tally, old: _Tally, level: str, row: Any) -> None:

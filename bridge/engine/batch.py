@@ -80,7 +80,7 @@ class StagedOutcome:
             case _:
                 assert pending.ctx is not None
                 wait = retry_wait(rt, pending.ctx, result.delay)
-                write = temporary_failure(lease, wait)
+                write = temporary_failure(lease, wait, pending.archived_as)
         return cls(item, pending, write, wait)
 
     def write_alone(self, rt: Runtime) -> bool:

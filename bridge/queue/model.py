@@ -57,7 +57,8 @@ class Lease(NamedTuple):
     """The fence a dispatch carries: a run may write only while all three still match.
 
     ``failure_count`` tells "leased, not yet run" from "failed and waiting to retry": a
-    temporary failure keeps the owner (as Phorge does) but counts one more failure. None
+    temporary failure keeps the owner (as Phorge does, labelled with who ran it) but counts
+    one more failure. None
     leaves it out of the fence, as PHP's own checks do (operator tools); a worker always
     has it.
     """

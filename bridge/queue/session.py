@@ -329,13 +329,15 @@ def permanent_failure(lease: Lease, archived_as: str | None = None) -> Write:
     return Write.archiving(lease, RESULT_FAILURE, 0, archived_as)
 
 
-def temporary_failure(lease: Lease, wait: int) -> Write:
-    """Count a failure and hold the task back ``wait`` seconds; the owner stays.
+def temporary_failure(lease: Lease, wait: int, failed_as: str | None = None) -> Write:
+    """Count a failure and hold the task back ``wait`` seconds; the owner stays, labelled
+    ``failed_as`` when given (as :func:`success`'s ``archived_as``).
 
     A negative wait is Phorge's too (its tests use -60): the lease then expired
     ``-wait`` seconds ago, so the task is due at once, behind older expiries."""
     check_seconds("retry wait", wait, minimum=-MAX_UINT32)
-    return Write.guarded(sql.FAIL_TEMPORARY, {**_fence(lease), "wait": wait}, sql.FAILED_BY)
+    values = {**_fence(lease), "wait": wait, "failed_owner": failed_as or lease.owner}
+    return Write.guarded(sql.FAIL_TEMPORARY, values, sql.FAILED_BY)
 
 
 def yielded(lease: Lease, seconds: int) -> Write:

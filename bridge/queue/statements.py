@@ -408,13 +408,16 @@ FAIL_TEMPORARY = (
     update(active)
     .where(_FENCE)
     .values(
+        leaseOwner=bindparam("failed_owner", type_=String),
         failureCount=active.c.failureCount + 1,
         failureTime=db_now(),
         leaseExpires=db_now() + bindparam("wait", type_=Integer),
         dateModified=db_now(),
     )
 )
-"""Temporary failure: failureCount + 1, failureTime, retry after ``wait``; owner stays."""
+"""Temporary failure: failureCount + 1, failureTime, retry after ``wait``; the owner stays
+the failed run's, labelled as its archive row would be (``failed_owner``), so that the
+canary guard tells whose failure it was while the row waits."""
 
 HAND_BACK = (
     update(active).where(_FENCE).values(leaseOwner=None, leaseExpires=None, dateModified=db_now())
@@ -455,7 +458,7 @@ ARCHIVED_BY = select(archive.c.id).where(
 
 FAILED_BY = select(active.c.id).where(
     active.c.id == bindparam("task_id", type_=Integer),
-    active.c.leaseOwner == bindparam("owner", type_=String),
+    active.c.leaseOwner == bindparam("failed_owner", type_=String),
     active.c.failureCount == bindparam("failure_count", type_=Integer) + 1,
     active.c.failureTime.is_not(None),
 )

@@ -9,11 +9,14 @@ It fails on purpose, temporarily, the tasks of the classes in ``$CANARY_FAIL_CLA
 whose id falls in ``$CANARY_FAIL_PERCENT`` percent (``canary.fails_on_purpose``: a hash
 of the id, independent of the canary's, so that a test knows which), and only while the
 file ``$CANARY_FAIL_FLAG`` exists when that is set: a handler that turns bad mid-run.
+Like the PHP class it stands beside, it also fails on its task data's word
+(``broken_dependency``): a dependency both sides share.
 """
 
 from __future__ import annotations
 
 import os
+import random
 
 import run_record
 from canary import fails_on_purpose
@@ -32,6 +35,16 @@ def failing(task: TaskContext) -> bool:
     return flag is None or os.path.exists(flag)
 
 
+def broken_dependency(task: TaskContext) -> bool:
+    """The stand-in's StandinSucceedWorker's dependency, as the PHP side has it: it fails
+    ``flake`` percent of its calls, and every call while the file ``outage`` exists."""
+    data = task.data if isinstance(task.data, dict) else {}
+    if random.randrange(100) < int(data.get("flake", 0)):
+        return True
+    outage = data.get("outage")
+    return bool(outage) and os.path.exists(outage)
+
+
 class CanaryNative(Handler):
     task_classes = CLASSES
     phorge_defaults = True  # standing in for Phorge classes: Phorge's waits
@@ -40,3 +53,5 @@ class CanaryNative(Handler):
         run_record.append({"event": "start", "id": task.id, "taskClass": task.task_class})
         if failing(task):
             raise TemporaryFailure("failing on purpose", delay=0)
+        if broken_dependency(task):
+            raise TemporaryFailure("the dependency failed", delay=0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 import secrets
 import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,9 +41,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, make_url
 
 from bridge.canary.guard import read_window
+from bridge.canary.ledger import SETTLE
 from bridge.canary.weights import NATIVE
 from bridge.queue.model import RESULT_SUCCESS, label_of
 from bridge.queue.schema import worker_activetask as active
+from bridge.queue.schema import worker_archivetask as archive
 
 CLASS = "StandinSucceedWorker"  # a PHP class of the stand-in, with a native handler too
 HEALTHY = "StandinCacheWorker"  # (c): a second one, whose handler stays healthy
@@ -64,6 +67,9 @@ HONOURED_WITHIN = 3
 FAIL_PERCENT = 30
 FEED, FEED_EVERY, FEED_CAP = 10, 0.2, 2000
 TRIPPED_WITHIN, FELL_BACK_AT_MOST = 20, 26
+# The guard's two tests of a base rate: 3% failing on both sides over 5,000 tasks, and
+# an outage of a dependency both sides call.
+ALIKE_TASKS, ALIKE_PERCENT, ALIKE_WAIT = 5000, 3, 900.0
 TRIP = re.compile(r"new side success ([\d.]+)% over (\d+) runs")
 WORKER_TABLES = ("worker_activetask", "worker_archivetask", "worker_taskdata", "lisk_counter")
 
@@ -327,6 +333,118 @@ def test_a_ramp_reaches_100_when_healthy_and_drops_to_0_when_the_handler_turns_b
     assert late == [], "a native run of the rolled-back class after its rollback"
     events = [(e.task_class, e.event) for e in read(bridge.engine).state.history]
     assert events.count((HEALTHY, "step")) == 2 and (CLASS, "rollback") in events
+
+
+def guard_judged_since(ports: list[int], since: float) -> bool:
+    """Whether the guard (on a worker at ``ports``) ended a judgement after ``since``."""
+    return scraped(ports, "phorge_bridge_canary_guard_last_run_timestamp_seconds") > since
+
+
+def first_runs_left(bridge: Bridge) -> int:
+    """Rows never run, or run only by the new side (a fallback waits with a failure time
+    and no count): those still to have the old side's first run."""
+    return bridge.count(active, active.c.failureCount == 0)
+
+
+def test_both_sides_failing_alike_over_5000_tasks_are_not_rolled_back(
+    make_bridge, database_url, amqp_url, monkeypatch
+):
+    """A dependency both sides call fails 3% of the calls (``flake``), the native side
+    at 20%, 5,000 tasks fed as a stream: the guard judges the whole time, has the sample
+    to trip on (some 1,000 native runs, some 30 of them failed) and does not."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    port = free_port()
+    worker = bridge.worker(
+        "worker",
+        [bridge.default_queue, bridge.control_queue],
+        concurrency=2,
+        env={"BRIDGE_METRICS_PORT": str(port)},
+    )
+    bridge.beat()
+    bridge.wait_ready(worker)
+
+    ids: list[int] = []
+
+    def every_first_run_done() -> bool:
+        if len(ids) < ALIKE_TASKS:
+            if bridge.count(active, active.c.leaseOwner.is_(None)) < 200:
+                ids.extend(bridge.enqueue(CLASS, {"flake": ALIKE_PERCENT}, count=100))
+            return False
+        return first_runs_left(bridge) == 0
+
+    bridge.wait_until(every_first_run_done, ALIKE_WAIT, f"{ALIKE_TASKS} tasks' first runs")
+    done = time.time()
+    bridge.wait_until(lambda: guard_judged_since([port], done), WAIT, "a judgement after")
+    assert not rolled_back(bridge.engine, CLASS, NATIVE)
+    assert "canary rollback" not in bridge.logs()
+    window = read_window(bridge.engine, CLASS, NATIVE, 3600, 10_000)
+    new, old = window.new, window.old
+    print(
+        f"\n[canary] alike: new side {new.failures} failed of {new.runs}, "
+        f"old side {old.failures} of {old.runs}; no rollback"
+    )
+    assert new.runs >= 800 and new.failures >= 10, "the guard had a sample to judge"
+    assert old.runs >= 3 * new.runs and old.failures >= 3 * new.failures // 2
+
+
+def test_an_outage_both_sides_share_for_30_s_is_not_rolled_back(
+    make_bridge, database_url, amqp_url, monkeypatch, tmp_path: Path
+):
+    """Every call to the shared dependency fails for 30 s (the file ``outage`` names
+    exists), under a steady stream at 20% native: the native side's runs fall back and
+    fail again on PHP (their failed owner says ``runner-fallback``: a failure of each
+    side), PHP's own fail, and the guard, which counts each failure when it happens,
+    sees both sides fail alike and does not roll back."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    port = free_port()
+    worker = bridge.worker(
+        "worker",
+        [bridge.default_queue, bridge.control_queue],
+        concurrency=2,
+        env={"BRIDGE_METRICS_PORT": str(port)},
+    )
+    bridge.beat()
+    bridge.wait_ready(worker)
+    outage = tmp_path / "dependency-down"
+    ids: list[int] = []
+
+    def streaming(condition: Any) -> Any:
+        def check() -> bool:
+            if condition():
+                return True
+            if bridge.count(active, active.c.leaseOwner.is_(None)) < 50:
+                ids.extend(bridge.enqueue(CLASS, {"outage": str(outage)}, count=FEED))
+            return False
+
+        return check
+
+    def archived() -> int:
+        return bridge.count(archive, archive.c.taskClass == CLASS)
+
+    bridge.wait_until(streaming(lambda: archived() >= 300), WAIT, "300 healthy runs")
+    outage.touch()
+    down_at = bridge.now()
+    bridge.wait_until(streaming(lambda: bridge.now() >= down_at + 30), WAIT, "30 s of outage")
+    outage.unlink()
+    up_at, healthy = bridge.now(), archived()
+    bridge.wait_until(
+        streaming(lambda: archived() >= healthy + 300), WAIT, "300 healthy runs again"
+    )
+    settled = time.time() + SETTLE
+    bridge.wait_until(lambda: guard_judged_since([port], settled), WAIT, "a judgement after")
+    assert not rolled_back(bridge.engine, CLASS, NATIVE)
+    assert "canary rollback" not in bridge.logs()
+    window = read_window(bridge.engine, CLASS, NATIVE, bridge.now() - down_at + 60, 10_000)
+    new, old = window.new, window.old
+    print(
+        f"\n[canary] outage {up_at - down_at} s: new side {new.fallbacks} fell back of "
+        f"{new.runs}, old side {old.temporary_failures} failed of {old.runs}; no rollback"
+    )
+    assert new.fallbacks >= 20 and old.temporary_failures >= 4 * 20, "the guard saw it"
 
 
 def test_a_native_weight_the_worker_cannot_honour_stops_it_at_start(

@@ -34,6 +34,7 @@ from redis_databases import REDIS_DATABASES
 from sqlalchemy import Engine, func, select
 
 from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue.dialect import db_now
 from bridge.queue.model import NewTask, TaskFilter
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
@@ -371,6 +372,11 @@ class Bridge:
         with self.engine.begin() as conn:
             data_id = conn.execute(select(active.c.dataID).where(active.c.id == task_id)).scalar()
             conn.execute(taskdata.update().where(taskdata.c.id == data_id).values(data=text))
+
+    def now(self) -> int:
+        """The database's clock (the archive's and the guard's), in whole seconds."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(db_now())).scalar_one())
 
     def count(self, table, *where) -> int:
         with self.engine.connect() as conn:

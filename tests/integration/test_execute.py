@@ -295,13 +295,19 @@ def test_a_lease_lost_while_running_writes_nothing_and_queues_no_followups(rt, p
 # -- failures, retries, yields ---------------------------------------------------------------
 
 
-def test_a_temporary_failure_waits_as_declared_and_keeps_the_owner(rt):
+def test_a_temporary_failure_waits_as_declared_and_keeps_the_owner_labelled(rt):
+    """The failed run's owner stays, labelled with who ran it, as its archive row would
+    be: the canary guard reads whose failure it was while the row waits."""
     data = {"doWork": "fail-temporary", "getWaitBeforeRetry": 42}
     task = queue_and_lease(rt, TEST_WORKER, data)
     assert run_task(rt, task.lease).outcome is Outcome.FAILURE
     row = active_row(rt, task.id)
-    assert (row.failureCount, row.leaseOwner) == (1, task.lease_owner)
+    assert (row.failureCount, row.leaseOwner) == (1, labelled(task.lease_owner, "native"))
     assert row.leaseExpires - row.failureTime == 42
+    # Phorge's phase 2 takes it back by that owner once the wait is over.
+    set_active(rt, task.id, leaseExpires=row.failureTime - 1)
+    [again] = rt.queue.lease(1, ids=[task.id])
+    assert again.failure_count == 1
 
 
 @pytest.mark.parametrize(

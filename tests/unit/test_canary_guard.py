@@ -308,6 +308,18 @@ def test_a_temporary_failure_counts_when_it_happens_not_when_archived(db):
     assert verdict(w, BOUNDS) is None
 
 
+def test_a_fallback_the_old_side_failed_too_counts_on_both_sides_while_it_waits(db):
+    """The new side failed it (a fallback), then the old side's run failed as well: the
+    failed owner says ``runner-fallback``, one failure of each side."""
+    engine, _ = db
+    archived(engine, owner("native"), count=20)
+    archived(engine, owner("runner"), count=80)
+    failed_rows(engine, owner("runner-fallback"), 4)
+    w = read_window(engine, "C", NATIVE, 300, 500)
+    assert (w.new.runs, w.new.fallbacks, w.new.successes) == (24, 4, 20)
+    assert (w.old.runs, w.old.temporary_failures) == (84, 4)
+
+
 def test_an_old_side_with_few_runs_in_the_window_is_judged_by_its_history(db):
     engine, settings = db
     store = CanaryStore(engine, None)

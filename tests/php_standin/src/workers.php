@@ -5,6 +5,15 @@
 
 final class StandinSucceedWorker extends PhabricatorWorker {
   protected function doWork() {
+    // A dependency that fails 'flake' percent of its calls, or every call while the
+    // file 'outage' names exists (the canary's shared-outage test).
+    if (mt_rand(0, 99) < (int)$this->getTaskDataValue('flake', 0)) {
+      throw new Exception('standin flake');
+    }
+    $outage = $this->getTaskDataValue('outage');
+    if ($outage && file_exists($outage)) {
+      throw new Exception('standin outage');
+    }
     foreach ($this->getTaskDataValue('followups', array()) as $followup) {
       $this->queueTask($followup['class'], $followup['data'], idx($followup, 'options', array()));
     }
