@@ -624,6 +624,13 @@ class Settings:
         _seconds,
         "seconds the new side's median must exceed the old side's by before it counts as slower",
     )
+    canary_max_followup_change: float = setting(
+        "BRIDGE_CANARY_MAX_FOLLOWUP_CHANGE",
+        "0.5",
+        _fraction,
+        "how far (0..1 of the old side's) the new side's follow-ups per successful run may "
+        "differ from the old side's before a significant difference counts",
+    )
 
     router: Router = field(init=False)
     conduit: ConduitSettings | None = field(init=False)

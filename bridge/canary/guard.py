@@ -35,7 +35,7 @@ from sqlalchemy import Connection, Engine
 
 from bridge.canary import sql
 from bridge.canary.ledger import Ledger
-from bridge.canary.significance import excess_failures_p
+from bridge.canary.significance import excess_failures_p, rate_change_p
 from bridge.canary.sql import MINUTE
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import (
@@ -44,6 +44,7 @@ from bridge.canary.weights import (
     PHD,
     Canary,
     CanaryState,
+    label_parts,
     percent,
     side_of,
 )
@@ -77,10 +78,18 @@ class SideStats:
     p50: float | None = None
     p99: float | None = None
     implementations: tuple[str, ...] = ()
+    # The follow-ups its successful runs queued, as the bridge's labels say, and those
+    # runs (phd's owners carry no count: its successes are not among them).
+    followups: int = 0
+    labelled_successes: int = 0
 
     @property
     def failures(self) -> int:
         return self.runs - self.successes
+
+    @property
+    def followups_per_success(self) -> float | None:
+        return self.followups / self.labelled_successes if self.labelled_successes else None
 
     @property
     def ratio(self) -> float | None:
@@ -114,6 +123,8 @@ class _Tally:
     temporary: int = 0
     permanent: int = 0
     fallbacks: int = 0
+    followups: int = 0
+    labelled: int = 0
     durations: list[float] = field(default_factory=list)
     implementations: set[str] = field(default_factory=set)
 
@@ -121,19 +132,27 @@ class _Tally:
     def full(self) -> bool:
         return self.runs >= self.full_at
 
-    def archived(self, failure_count: int, result: int, duration: int, label: str) -> None:
-        self.archived_rows(1, failure_count, result, label)
+    def archived(
+        self, failure_count: int, result: int, duration: int, label: str, followups: int
+    ) -> None:
+        self.archived_rows(1, failure_count, result, label, followups)
         if result == RESULT_SUCCESS:
             self.durations.append(duration / MICROSECONDS)
 
-    def archived_rows(self, rows: int, failures: int, result: int, label: str) -> None:
-        """``rows`` archive rows of one result, with ``failures`` earlier failures."""
+    def archived_rows(
+        self, rows: int, failures: int, result: int, label: str, followups: int = 0
+    ) -> None:
+        """``rows`` archive rows of one result, with ``failures`` earlier failures and,
+        each, ``followups`` follow-ups queued (a success's)."""
         self.implementations.add(label)
         self.runs += failures
         self.temporary += failures
         if result == RESULT_SUCCESS:
             self.runs += rows
             self.successes += rows
+            if label != PHD:
+                self.labelled += rows
+                self.followups += rows * followups
         elif result == RESULT_FAILURE:
             self.runs += rows
             self.permanent += rows
@@ -159,6 +178,8 @@ class _Tally:
             p50=quantile(ordered, 0.50),
             p99=quantile(ordered, 0.99),
             implementations=tuple(sorted(self.implementations)),
+            followups=self.followups,
+            labelled_successes=self.labelled,
         )
 
 
@@ -236,11 +257,12 @@ def _count_summed(
 ) -> None:
     """Summed archive rows of one label and result onto their side (a fallback onto
     both)."""
-    side, shown = side_of(level, label), label or PHD
+    who, followups = label_parts(label)
+    side, shown = side_of(level, who), who or PHD
     if side == FELL_BACK:
         new.fell_back(rows)
     tally = new if side == NEW else old
-    tally.archived_rows(rows, failures, result, shown)
+    tally.archived_rows(rows, failures, result, shown, followups)
 
 
 def _failing(
@@ -263,15 +285,13 @@ def _failing(
 
 def _count(new: _Tally, old: _Tally, level: str, row: Any) -> None:
     """One archive row onto its side (a fallback onto both)."""
-    label = label_of(row.leaseOwner)
-    side = side_of(level, label)
-    shown = label or PHD  # Phorge's own taskmasters' owners carry no label
+    who, followups = label_parts(label_of(row.leaseOwner))
+    side = side_of(level, who)
+    shown = who or PHD  # Phorge's own taskmasters' owners carry no label
+    tally = new if side == NEW else old
     if side == FELL_BACK:
         new.fell_back()
-        old.archived(row.failureCount, row.result, row.duration, shown)
-    else:
-        tally = new if side == NEW else old
-        tally.archived(row.failureCount, row.result, row.duration, shown)
+    tally.archived(row.failureCount, row.result, row.duration, shown, followups)
 
 
 @dataclass(frozen=True)
@@ -285,6 +305,7 @@ class Bounds:
     failure_limit: int = 3
     max_slowdown: float = 3.0
     slowdown_floor: float = 1.0  # a PHP runner's first, cold runs are 0.1-0.6 s slower
+    max_followup_change: float = 0.5
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Bounds:
@@ -296,6 +317,7 @@ class Bounds:
             failure_limit=settings.canary_failure_limit,
             max_slowdown=settings.canary_max_slowdown,
             slowdown_floor=settings.canary_slowdown_floor,
+            max_followup_change=settings.canary_max_followup_change,
         )
 
 
@@ -328,6 +350,9 @@ def verdict(window: Window, bounds: Bounds) -> str | None:
         p = excess_failures_p(new.failures, new.runs, old.failures, old.runs)
         if p < bounds.significance:
             return f"{reason} (p = {p:.1e})"
+    effects = _effects(new, old, bounds)
+    if effects is not None:
+        return f"{reason}; {effects}"
     if (
         new.p50 is not None
         and old.p50 is not None
@@ -340,6 +365,27 @@ def verdict(window: Window, bounds: Bounds) -> str | None:
             f"(more than {bounds.max_slowdown:g} times, and {bounds.slowdown_floor:g} s slower)"
         )
     return None
+
+
+def _effects(new: SideStats, old: SideStats, bounds: Bounds) -> str | None:
+    """Why the new side's successful runs queue other follow-ups than the old side's,
+    or None: per labelled success, more than ``max_followup_change`` of the old side's
+    rate apart, significantly (two Poisson rates, ``rate_change_p``), with
+    ``min_runs`` labelled successes on each side."""
+    new_rate, old_rate = new.followups_per_success, old.followups_per_success
+    if new_rate is None or old_rate is None:
+        return None
+    if min(new.labelled_successes, old.labelled_successes) < bounds.min_runs:
+        return None
+    if abs(new_rate - old_rate) <= bounds.max_followup_change * old_rate:
+        return None
+    p = rate_change_p(new.followups, new.labelled_successes, old.followups, old.labelled_successes)
+    if p >= bounds.significance:
+        return None
+    return (
+        f"new side queued {new_rate:.2f} follow-ups per success against the old side's "
+        f"{old_rate:.2f} (p = {p:.1e})"
+    )
 
 
 @dataclass

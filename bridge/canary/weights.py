@@ -37,7 +37,10 @@ HISTORY_PER_CLASS = 50
 PHD, RUNNER, CONDUIT, NATIVE_RUN = "phd", "runner", "conduit", "native"
 IMPLEMENTATIONS = (PHD, RUNNER, CONDUIT, NATIVE_RUN)
 FALLBACK = "-fallback"  # suffix of a run of a row that fell back from the new side
-LABEL_ROOM = len(":" + CONDUIT + FALLBACK)  # what an owner keeps free for its label
+FOLLOWED = "~"  # then the follow-ups a successful run queued, when it queued any
+MAX_FOLLOWUPS = 99  # the most a label counts
+# What an owner keeps free for its label (``:conduit-fallback~99``).
+LABEL_ROOM = len(f":{CONDUIT}{FALLBACK}{FOLLOWED}{MAX_FOLLOWUPS}")
 NEW, OLD, FELL_BACK = "new", "old", "fallback"
 
 
@@ -53,9 +56,27 @@ def labelled(owner: str, label: str) -> str:
     return f"{prefix}:{label}:{rest}"
 
 
+def run_label(implementation: str, followups: int) -> str:
+    """A run's label: who ran it, and how many follow-ups it queued when any
+    (``native~2``, at most :data:`MAX_FOLLOWUPS`): the guard compares the sides' effects,
+    not only their outcomes, and Phorge's schema has no other place for the count."""
+    if followups <= 0:
+        return implementation
+    return f"{implementation}{FOLLOWED}{min(followups, MAX_FOLLOWUPS)}"
+
+
+def label_parts(label: str | None) -> tuple[str | None, int]:
+    """:func:`run_label`'s parts: who ran the task, and the follow-ups it queued."""
+    if label is None or FOLLOWED not in label:
+        return label, 0
+    who, _, count = label.rpartition(FOLLOWED)
+    return who, int(count) if count.isdigit() else 0
+
+
 def side_of(level: str, label: str | None) -> str:
     """Which side of ``level`` a run with ``label`` was: :data:`NEW`, :data:`OLD`, or
     :data:`FELL_BACK` (an old-side run of a row the new side failed)."""
+    label = label_parts(label)[0]
     if label is not None and label.endswith(FALLBACK):
         return FELL_BACK
     if level == NATIVE:
@@ -158,6 +179,7 @@ GUARD_BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "max_slowdown": (lambda v: _number(v) and v >= 1, "a number of at least 1"),
     "slowdown_floor": (lambda v: _number(v) and v > 0, "a positive number of seconds"),
+    "max_followup_change": (lambda v: _number(v) and 0 <= v <= 1, "a number from 0 to 1"),
 }
 
 

@@ -406,7 +406,12 @@ def resume(task_class: str, level: str | None) -> None:
 
 
 def side_json(side: SideStats) -> dict[str, Any]:
-    return {**asdict(side), "implementations": list(side.implementations), "ratio": side.ratio}
+    return {
+        **asdict(side),
+        "implementations": list(side.implementations),
+        "ratio": side.ratio,
+        "followups_per_success": side.followups_per_success,
+    }
 
 
 def event_json(event: Event) -> dict[str, Any]:
@@ -421,6 +426,11 @@ def event_json(event: Event) -> dict[str, Any]:
 
 def seconds_text(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f} s"
+
+
+def followups_text(per_success: float | None) -> str:
+    """Follow-ups queued per successful run (of those the bridge labelled)."""
+    return "-" if per_success is None else f"{per_success:.2f}/run"
 
 
 def ratio_text(value: float | None) -> str:
@@ -440,6 +450,7 @@ def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
             "TEMPORARY",
             "PERMANENT",
             "FALLBACKS",
+            "FOLLOW-UPS",
             "IMPLEMENTATIONS",
         ]
     ]
@@ -454,6 +465,7 @@ def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
                 str(stats.temporary_failures),
                 str(stats.permanent_failures),
                 str(stats.fallbacks),
+                followups_text(stats.followups_per_success),
                 ", ".join(stats.implementations) or "-",
             ]
         )

@@ -17,7 +17,16 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
-from bridge.canary.weights import BRIDGE, FALLBACK, NATIVE, PHD, SCALE, Canary, labelled
+from bridge.canary.weights import (
+    BRIDGE,
+    FALLBACK,
+    NATIVE,
+    PHD,
+    SCALE,
+    Canary,
+    labelled,
+    run_label,
+)
 from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
 from bridge.handlers.api import Handler, TaskContext
@@ -74,8 +83,12 @@ class PendingOutcome:
 
     @property
     def archived_as(self) -> str | None:
-        """The owner its archive row gets: the lease's, labelled with who ran it."""
-        return archive_owner(self.lease.owner, self.implementation)
+        """The owner its archive row gets: the lease's, labelled with who ran it and the
+        tasks it queued (``weights.run_label``)."""
+        if self.implementation is None:
+            return None
+        label = run_label(self.implementation, self.result.effects)
+        return archive_owner(self.lease.owner, label)
 
 
 # A run that ended before its outcome was written: with one to write, or with none.
@@ -267,7 +280,9 @@ def fallback(cleared: ClearedTask, result: HandlerResult) -> HandlerResult:
         return result
     taker = f"{cleared.fallback_to} takes it"
     reason = f"{result.reason}; {taker}" if result.reason else taker
-    return replace(result, outcome=Outcome.FALLBACK, reason=reason, delay=None, followups=())
+    return replace(
+        result, outcome=Outcome.FALLBACK, reason=reason, delay=None, followups=(), scheduled=0
+    )
 
 
 def run_cleared(rt: Runtime, group: Sequence[ClearedTask]) -> list[Ended]:

@@ -46,6 +46,7 @@ class TaskContext:
     _raw_data: str | None = field(init=False, repr=False, compare=False, default=None)
     _followups: list[NewTask] = field(init=False, repr=False, compare=False, default_factory=list)
     _measured_us: list[int] = field(init=False, repr=False, compare=False, default_factory=list)
+    _scheduled: list[int] = field(init=False, repr=False, compare=False, default_factory=list)
 
     def __post_init__(self, raw_data: str | None) -> None:
         object.__setattr__(self, "_raw_data", raw_data)
@@ -99,6 +100,16 @@ def report_measured_duration(task: TaskContext, duration_us: int) -> None:
 
 def measured_duration(task: TaskContext) -> int | None:
     return task._measured_us[0] if task._measured_us else None
+
+
+def report_scheduled(task: TaskContext, count: int) -> None:
+    """Record the tasks the run scheduled itself where it ran (internal: PHP's
+    ``PhabricatorWorker::scheduleTask``, which no follow-up list returns)."""
+    task._scheduled[:] = [max(0, int(count))]
+
+
+def scheduled(task: TaskContext) -> int:
+    return task._scheduled[0] if task._scheduled else 0
 
 
 class Handler(ABC):

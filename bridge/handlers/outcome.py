@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge.errors import HandBack, PermanentFailure, TemporaryFailure, Yield
-from bridge.handlers.api import Handler, TaskContext, measured_duration
+from bridge.handlers.api import Handler, TaskContext, measured_duration, scheduled
 from bridge.handlers.capabilities import BatchHandler
 from bridge.queue.model import DEFAULT_RETRY_WAIT, MIN_YIELD_SECONDS, NewTask, Outcome
 
@@ -44,6 +44,12 @@ class HandlerResult:
     followups: tuple[NewTask, ...] = ()
     error: Exception | None = field(default=None, compare=False, repr=False)
     required_lease: int | None = None
+    scheduled: int = 0  # tasks the run scheduled itself (PHP's scheduleTask), besides
+
+    @property
+    def effects(self) -> int:
+        """The tasks the run queued: its follow-ups and those it scheduled itself."""
+        return len(self.followups) + self.scheduled
 
 
 def policy(
@@ -148,4 +154,5 @@ def classify(
         elapsed_us if duration_us is None else duration_us,
         followups,
         error,
+        scheduled=scheduled(ctx) if outcome is Outcome.SUCCESS else 0,
     )

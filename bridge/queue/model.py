@@ -30,9 +30,9 @@ MAX_NAME = 64  # varchar(64) of taskClass and leaseOwner
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
 # What a bridge lease owner keeps free for the implementation its archive row names
-# (``prefix:label:pid:epoch:host:seq``): ``:conduit-fallback``, the longest label
+# (``prefix:label:pid:epoch:host:seq``): ``:conduit-fallback~99``, the longest label
 # (``bridge.canary.weights.LABEL_ROOM``, which this layer cannot import).
-LABEL_ROOM = len(":conduit-fallback")
+LABEL_ROOM = len(":conduit-fallback~99")
 
 
 class Outcome(StrEnum):
@@ -57,10 +57,9 @@ class Lease(NamedTuple):
     """The fence a dispatch carries: a run may write only while all three still match.
 
     ``failure_count`` tells "leased, not yet run" from "failed and waiting to retry": a
-    temporary failure keeps the owner (as Phorge does, labelled with who ran it) but counts
-    one more failure. None
-    leaves it out of the fence, as PHP's own checks do (operator tools); a worker always
-    has it.
+    temporary failure keeps the owner (as Phorge does, labelled with who ran it) but
+    counts one more failure. None leaves it out of the fence, as PHP's own checks do
+    (operator tools); a worker always has it.
     """
 
     task_id: int

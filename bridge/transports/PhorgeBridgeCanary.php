@@ -540,6 +540,7 @@ final class PhorgeBridgeCanary {
       'significance' => 'a number between 0 and 1 (exclusive)',
       'max_slowdown' => 'a number of at least 1',
       'slowdown_floor' => 'a positive number of seconds',
+      'max_followup_change' => 'a number from 0 to 1',
     );
     if (!self::isObject($value) ||
         array_diff(array_keys($value), array_keys($bounds))) {
@@ -572,6 +573,7 @@ final class PhorgeBridgeCanary {
       case 'failure_limit':
         return is_int($value) && $value >= 1;
       case 'max_drop':
+      case 'max_followup_change':
         return $number && $value >= 0 && $value <= 1;
       case 'significance':
         return $number && $value > 0 && $value < 1;

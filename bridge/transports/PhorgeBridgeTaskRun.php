@@ -105,8 +105,9 @@ final class PhorgeBridgeTaskRun {
   /**
    * Run the task's worker once, as PhabricatorWorkerActiveTask::executeTask
    * does, and return how it ended: result, duration (microseconds),
-   * followups, yieldDuration, retryWait, message, requiredLease,
-   * maximumRetryCount, warnings and output (what the worker printed).
+   * followups, scheduled (the tasks the worker scheduled itself),
+   * yieldDuration, retryWait, message, requiredLease, maximumRetryCount,
+   * warnings and output (what the worker printed).
    */
   public static function run(PhabricatorWorkerActiveTask $task) {
     // As the taskmaster does before each task.
@@ -123,6 +124,7 @@ final class PhorgeBridgeTaskRun {
       'result' => null,
       'duration' => 0,
       'followups' => array(),
+      'scheduled' => 0,
       'yieldDuration' => null,
       'retryWait' => null,
       'message' => null,
@@ -142,9 +144,11 @@ final class PhorgeBridgeTaskRun {
       self::checkRetryLimit($task, $result['maximumRetryCount']);
       $result['requiredLease'] = self::requiredLease($worker);
 
+      $scheduled = self::scheduledSoFar();
       $t_start = microtime(true);
       $worker->executeTask();
       $result['duration'] = (int)phutil_microseconds_since($t_start);
+      $result['scheduled'] = self::scheduledSoFar() - $scheduled;
       $result['result'] = self::RESULT_SUCCESS;
     } catch (PhabricatorWorkerPermanentFailureException $ex) {
       $result['result'] = self::RESULT_PERMANENT_FAILURE;
@@ -187,6 +191,35 @@ final class PhorgeBridgeTaskRun {
     }
 
     return $result;
+  }
+
+  private static $scheduled = null;
+
+  /**
+   * How many tasks this process's workers scheduled themselves so far
+   * (PhabricatorWorker::scheduleTask, as publishing does for search, feed and
+   * mail), which bypass queueTask and so the followups: counted off Phorge's
+   * query profiler, each INSERT into worker_activetask, so that the canary
+   * compares all of a run's effects.
+   */
+  private static function scheduledSoFar() {
+    if (self::$scheduled === null) {
+      self::$scheduled = 0;
+      if (class_exists('PhutilServiceProfiler')) {
+        PhutilServiceProfiler::getInstance()->addListener(
+          array(__CLASS__, 'countScheduled'));
+      }
+    }
+    return self::$scheduled;
+  }
+
+  public static function countScheduled($type, $id, array $data) {
+    $query = isset($data['query']) ? $data['query'] : '';
+    if ($type === 'begin' && is_string($query) && preg_match(
+        '/^\s*INSERT INTO\s+(`[^`]*`\.)?`?worker_activetask`?\s/i',
+        $query)) {
+      self::$scheduled++;
+    }
   }
 
   /**

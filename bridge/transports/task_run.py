@@ -18,6 +18,7 @@ from bridge.handlers.api import (
     TemporaryFailure,
     Yield,
     report_measured_duration,
+    report_scheduled,
     stored_data,
 )
 from bridge.queue.model import MIN_YIELD_SECONDS, PRIORITY_DEFAULT, Outcome, check_priority
@@ -124,6 +125,7 @@ def apply_result(task: TaskContext, result: Any) -> None:
         if duration is not None and duration >= 0:
             report_measured_duration(task, duration)
         _queue_followups(task, result.get("followups"))
+        report_scheduled(task, optional_int(result.get("scheduled")) or 0)
         return
     if outcome == Outcome.YIELD:
         seconds = optional_int(result.get("yieldDuration")) or 0

@@ -10,7 +10,8 @@ whose id falls in ``$CANARY_FAIL_PERCENT`` percent (``canary.fails_on_purpose``:
 of the id, independent of the canary's, so that a test knows which), and only while the
 file ``$CANARY_FAIL_FLAG`` exists when that is set: a handler that turns bad mid-run.
 Like the PHP class it stands beside, it also fails on its task data's word
-(``broken_dependency``): a dependency both sides share.
+(``broken_dependency``): a dependency both sides share; and it queues the data's
+``followups`` as the PHP class does, unless ``$CANARY_FORGET_FOLLOWUPS`` is set.
 """
 
 from __future__ import annotations
@@ -55,3 +56,8 @@ class CanaryNative(Handler):
             raise TemporaryFailure("failing on purpose", delay=0)
         if broken_dependency(task):
             raise TemporaryFailure("the dependency failed", delay=0)
+        if os.environ.get("CANARY_FORGET_FOLLOWUPS"):
+            return  # the bug: PHP queues them, this handler does not
+        data = task.data if isinstance(task.data, dict) else {}
+        for followup in data.get("followups", []):
+            task.queue_task(followup["class"], followup["data"])

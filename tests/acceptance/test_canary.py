@@ -447,6 +447,39 @@ def test_an_outage_both_sides_share_for_30_s_is_not_rolled_back(
     assert new.fallbacks >= 20 and old.temporary_failures >= 4 * 20, "the guard saw it"
 
 
+def test_a_native_handler_that_forgets_a_followup_is_rolled_back(
+    make_bridge, database_url, amqp_url
+):
+    """Each task's PHP queues one follow-up; the native handler, at 20%, forgets it and
+    succeeds. Its outcomes are as good as PHP's; its effects are not: the guard compares
+    the follow-ups each side's successes queued and rolls the class back, and no task
+    fails on the way."""
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    queues = [bridge.default_queue, bridge.control_queue]
+    worker = bridge.worker("worker", queues, concurrency=2, env={"CANARY_FORGET_FOLLOWUPS": "1"})
+    bridge.beat()
+    bridge.wait_ready(worker)
+    data = {"followups": [{"class": HEALTHY, "data": {}}]}
+    fed: list[int] = []
+
+    def fed_until_rolled_back() -> bool:
+        if rolled_back(bridge.engine, CLASS, NATIVE):
+            return True
+        if len(fed) < FEED_CAP:
+            fed.extend(bridge.enqueue(CLASS, data, count=FEED))
+        return False
+
+    bridge.wait_until(fed_until_rolled_back, WAIT, "the rollback", interval=FEED_EVERY)
+    [tripped] = [line for line in bridge.logs().splitlines() if "canary rollback:" in line]
+    assert "new side success 100.0%" in tripped and "old side 100.0%" in tripped
+    assert "new side queued 0.00 follow-ups per success against the old side's 1.00" in tripped
+    rows = assert_all_succeeded(bridge, fed)
+    natively = [i for i, label in labels(rows).items() if label == "native"]
+    print(f"\n[canary] forgotten follow-ups: rolled back after {len(natively)} native runs")
+    assert 10 <= len(natively) < len(fed) // 4
+
+
 def test_a_native_weight_the_worker_cannot_honour_stops_it_at_start(
     make_bridge, database_url, amqp_url
 ):

@@ -189,6 +189,9 @@ def test_report_shows_both_sides_from_labelled_archive_rows(cli):
         "p99": 0.04,
         "implementations": ["native"],
         "ratio": 0.8,
+        "followups": 0,
+        "labelled_successes": 8,
+        "followups_per_success": 0.0,
     }
     old = entry["old"]
     assert (old["runs"], old["successes"], old["temporary_failures"]) == (2 + 20 + 3, 22, 2)
@@ -210,7 +213,9 @@ def test_report_shows_both_sides_from_labelled_archive_rows(cli):
     assert text[0] == f"{FEED} (native level), archived runs of the last 300 s"
     header, new, old_line = (line.split() for line in text[1:4])
     assert header[:3] == ["SIDE", "RUNS", "SUCCESS"]
-    assert new == ["new", "10", "80.0%", "0.040", "s", "0.040", "s", "0", "0", "2", "native"]
+    assert new == [
+        "new", "10", "80.0%", "0.040", "s", "0.040", "s", "0", "0", "2", "0.00/run", "native"
+    ]  # fmt: skip
     assert old_line[:3] == ["old", "25", "88.0%"]
     assert text[4].startswith("weight: 0% on the new side (configured 20%), rolled back since ")
     assert text[5] == "history:" and text[6].endswith("native  rollback     0%  too slow")

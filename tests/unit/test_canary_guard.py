@@ -109,6 +109,28 @@ def test_the_slowdown_bound_needs_both_the_factor_and_the_floor():
     assert verdict(window(side(150, 3, p50=1.0), side(5, 0, p50=0.2)), BOUNDS) is None
 
 
+def effects(runs: int, followups: int, labelled: bool = True) -> SideStats:
+    """``runs`` successes that queued ``followups`` follow-ups in all."""
+    counted = runs if labelled else 0
+    return replace(side(runs, 0), followups=followups, labelled_successes=counted)
+
+
+def test_a_new_side_that_queues_other_followups_is_worse():
+    reason = verdict(window(effects(40, 0), effects(160, 160)), BOUNDS)
+    assert reason is not None and reason.endswith(
+        "new side queued 0.00 follow-ups per success against the old side's 1.00 (p = 6.2e-16)"
+    )
+    assert verdict(window(effects(80, 160), effects(320, 320)), BOUNDS), "twice as many"
+    assert verdict(window(effects(40, 30), effects(160, 160)), BOUNDS) is None, "within 50%"
+    assert verdict(window(effects(5, 0), effects(160, 160)), BOUNDS) is None, "5 runs"
+    # phd's runs carry no count (the bridge level's old side): nothing to compare.
+    assert verdict(window(effects(40, 40), effects(160, 0, labelled=False)), BOUNDS) is None
+    assert (
+        verdict(window(effects(40, 0), effects(160, 160)), replace(BOUNDS, max_followup_change=1))
+        is None
+    )
+
+
 def test_a_rollback_needs_failure_limit_bad_evaluations_in_a_row():
     suspicions = Suspicions(limit=3)
     bad, good = "worse", None
@@ -239,6 +261,7 @@ def test_the_window_splits_the_rows_by_label(db):
         p50=0.02,
         p99=0.02,
         implementations=("native",),
+        labelled_successes=5,
     )
     assert w.old == SideStats(
         runs=3 + 2 + 2,
@@ -249,8 +272,22 @@ def test_the_window_splits_the_rows_by_label(db):
         p50=0.005,
         p99=0.007,
         implementations=("runner", "runner-fallback"),
+        labelled_successes=5,
     )
     assert w.new.ratio == pytest.approx(5 / 9) and w.new.failures == 4
+
+
+def test_the_window_counts_the_followups_each_side_queued(db):
+    engine, _ = db
+    archived(engine, owner("native"), count=4)
+    archived(engine, owner("native~2"), count=3)
+    archived(engine, owner("runner~1"), count=10)
+    archived(engine, owner("runner~1"), failures=1, result=1)  # a failure queues nothing
+    w = read_window(engine, "C", NATIVE, 300, 500)
+    assert (w.new.followups, w.new.labelled_successes, w.new.implementations) == (6, 7, ("native",))
+    assert (w.old.followups, w.old.followups_per_success) == (10, 1.0)
+    summed = summed_window(engine, "C", NATIVE, 300)
+    assert (summed.new.followups, summed.old.followups) == (6, 10)
 
 
 def test_at_the_bridge_level_phd_and_stock_owners_are_the_old_side(db):

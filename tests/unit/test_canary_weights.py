@@ -26,9 +26,11 @@ from bridge.canary.weights import (
     LevelState,
     bucket,
     canary_of,
+    label_parts,
     labelled,
     parse_weights,
     percent,
+    run_label,
     side_of,
 )
 from bridge.errors import ConfigError
@@ -93,7 +95,20 @@ def test_labels_of_lease_owners():
     assert label_of(labelled(owner, "runner")) == "runner"
     # The epoch stays third from the end.
     assert labelled(owner, "native").split(":")[-3] == "1700000000"
-    assert len(":conduit-fallback") == LABEL_ROOM
+    assert len(":conduit-fallback~99") == LABEL_ROOM
+
+
+def test_a_runs_label_counts_the_followups_it_queued():
+    assert run_label("native", 0) == "native"
+    assert run_label("native", 2) == "native~2"
+    assert run_label("conduit-fallback", 150) == "conduit-fallback~99", "at most 99"
+    assert label_parts("native~2") == ("native", 2)
+    assert label_parts("runner") == ("runner", 0)
+    assert label_parts(None) == (None, 0)
+    assert label_parts("native~x") == ("native", 0)
+    assert side_of(NATIVE, "native~2") == "new"
+    assert side_of(NATIVE, "runner-fallback~1") == "fallback"
+    assert side_of(BRIDGE, "runner~3") == "new"
 
 
 @pytest.mark.parametrize(
