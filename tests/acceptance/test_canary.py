@@ -340,6 +340,20 @@ def guard_judged_since(ports: list[int], since: float) -> bool:
     return scraped(ports, "phorge_bridge_canary_guard_last_run_timestamp_seconds") > since
 
 
+def watched_at_20_percent(make_bridge: Any, database_url: str, amqp_url: str) -> tuple[Bridge, int]:
+    """A deployment with the class at 20% native, one worker (the guard's too) serving
+    metrics, and beat; returns it and the worker's metrics port."""
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    port = free_port()
+    queues = [bridge.default_queue, bridge.control_queue]
+    env = {"BRIDGE_METRICS_PORT": str(port)}
+    worker = bridge.worker("worker", queues, concurrency=2, env=env)
+    bridge.beat()
+    bridge.wait_ready(worker)
+    return bridge, port
+
+
 def first_runs_left(bridge: Bridge) -> int:
     """Rows never run, or run only by the new side (a fallback waits with a failure time
     and no count): those still to have the old side's first run."""
@@ -353,17 +367,7 @@ def test_both_sides_failing_alike_over_5000_tasks_are_not_rolled_back(
     at 20%, 5,000 tasks fed as a stream: the guard judges the whole time, has the sample
     to trip on (some 1,000 native runs, some 30 of them failed) and does not."""
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
-    port = free_port()
-    worker = bridge.worker(
-        "worker",
-        [bridge.default_queue, bridge.control_queue],
-        concurrency=2,
-        env={"BRIDGE_METRICS_PORT": str(port)},
-    )
-    bridge.beat()
-    bridge.wait_ready(worker)
+    bridge, port = watched_at_20_percent(make_bridge, database_url, amqp_url)
 
     ids: list[int] = []
 
@@ -398,17 +402,7 @@ def test_an_outage_both_sides_share_for_30_s_is_not_rolled_back(
     side), PHP's own fail, and the guard, which counts each failure when it happens,
     sees both sides fail alike and does not roll back."""
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
-    port = free_port()
-    worker = bridge.worker(
-        "worker",
-        [bridge.default_queue, bridge.control_queue],
-        concurrency=2,
-        env={"BRIDGE_METRICS_PORT": str(port)},
-    )
-    bridge.beat()
-    bridge.wait_ready(worker)
+    bridge, port = watched_at_20_percent(make_bridge, database_url, amqp_url)
     outage = tmp_path / "dependency-down"
     ids: list[int] = []
 
