@@ -421,6 +421,13 @@ class Settings:
         _owner_prefix,
         "start of every lease owner this bridge writes",
     )
+    daemon_console: bool = setting(
+        "BRIDGE_DAEMON_CONSOLE",
+        "true",
+        _boolean,
+        "list each worker and beat in Phorge's Daemons console (rows of "
+        "`{namespace}_daemon.daemon_log`, needs INSERT, UPDATE on it)",
+    )
     inline_data_max: int = setting(
         "BRIDGE_INLINE_DATA_MAX",
         "8192",

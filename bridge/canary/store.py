@@ -39,7 +39,7 @@ from bridge.canary.weights import (
 )
 from bridge.errors import ConfigError
 from bridge.queue.retry import retrying
-from bridge.queue.schema import config_entry_in
+from bridge.queue.schema import beside, config_entry_in
 
 if TYPE_CHECKING:
     from bridge.config import Settings
@@ -67,12 +67,7 @@ def config_database(engine: Engine, override: str | None) -> str | None:
     ``engine`` (see the module's docstring); None: the worker database itself."""
     if engine.dialect.name == "sqlite":
         return None
-    if override:
-        return override
-    name = engine.url.database or ""
-    if name.endswith("_worker"):
-        return name.removesuffix("_worker") + "_config"
-    return None
+    return override or beside(engine.url.database, "config")
 
 
 def encode(value: Any) -> str:

@@ -41,7 +41,7 @@ from bridge.queue import PhorgeQueue
 from bridge.queue import statements as sql
 from bridge.queue.beat_lock import beat_lock_holder
 from bridge.queue.dialect import is_mysql
-from bridge.queue.schema import WORKER_TABLES
+from bridge.queue.schema import WORKER_TABLES, beside
 from bridge.transports.conduit.client import ConduitClient
 from bridge.transports.conduit.handler import ConduitProxyHandler
 from bridge.transports.php_runner.process import RunnerCommand, RunnerProcess
@@ -454,9 +454,7 @@ def check_php_extension_files(doctor: Doctor) -> Check:
 def _daemon_database(queue: PhorgeQueue) -> str | None:
     """The database of Phorge's daemon log, beside the worker one: ``{namespace}_daemon``."""
     url = queue.engine.url
-    if url.get_backend_name() == "sqlite" or not url.database or "_" not in url.database:
-        return None
-    return f"{url.database.rsplit('_', 1)[0]}_daemon"
+    return None if url.get_backend_name() == "sqlite" else beside(url.database, "daemon")
 
 
 # MySQL's refusals a GRANT cures: no access to the database (1044), to the table (1142).

@@ -9,8 +9,8 @@ key names, utf8mb4 with the binary collation. The bridge never alters them;
 Two tables live outside the worker database. ``config_entry`` (``{namespace}_config``)
 holds the gray migration's weights and state (``bridge.canary``): it is in ``metadata``
 so that SQLite and the tests' databases get it beside the queue, and
-:func:`config_entry_in` addresses Phorge's own copy. ``daemon_log`` is read by doctor,
-with only the columns it reads; it is never created.
+:func:`config_entry_in` addresses Phorge's own copy. ``daemon_log`` (``{namespace}_daemon``)
+is read by doctor and written by ``bridge.runtime.daemon_console``; it is never created.
 """
 
 from __future__ import annotations
@@ -184,15 +184,31 @@ def config_entry_in(database: str | None) -> Table:
     return config_entry.to_metadata(MetaData(), schema=database)
 
 
+def beside(worker_database: str | None, name: str) -> str | None:
+    """Phorge's database ``{namespace}_{name}`` beside the worker database
+    ``{namespace}_worker``; None when the worker database is not named so (SQLite, a
+    test's database)."""
+    if not worker_database or not worker_database.endswith("_worker"):
+        return None
+    return worker_database.removesuffix("_worker") + f"_{name}"
+
+
 def daemon_log(database: str) -> Table:
     """Phorge's daemon log in ``database`` (``{namespace}_daemon``, beside the worker
-    database): the columns the daemon console judges a daemon by. Not in ``metadata``."""
+    database), less ``id`` (auto-increment). Not in ``metadata``."""
     return Table(
         "daemon_log",
         MetaData(),
         Column("daemon", String(255), nullable=False),
-        Column("status", String(8), nullable=False),
+        Column("host", String(255), nullable=False),
+        Column("pid", UInt, nullable=False),
+        Column("argv", LongText, nullable=False),
+        Column("explicitArgv", LongText, nullable=False),
+        Column("dateCreated", UInt, nullable=False),
         Column("dateModified", UInt, nullable=False),
+        Column("status", String(8), nullable=False),
+        Column("runningAsUser", String(255), nullable=True),
+        Column("daemonID", String(64), nullable=False),
         schema=database,
     )
 

@@ -821,6 +821,20 @@ def count_daemons(
     ).where(log.c.status.in_(list(running)), log.c.daemon.like(daemon))
 
 
+def list_daemon(database: str, row: Mapping[str, Any]) -> Insert:
+    """A daemon's row in the daemon log of ``database``, launched and last seen now (by
+    the database's clock, which Phorge's console judges heartbeats by)."""
+    return insert(daemon_log(database)).values(dateCreated=db_now(), dateModified=db_now(), **row)
+
+
+def daemon_status(database: str, daemon_id: str, status: str) -> Update:
+    """A heartbeat of the daemon ``daemon_id``: its status, seen now."""
+    log = daemon_log(database)
+    return (
+        update(log).where(log.c.daemonID == daemon_id).values(status=status, dateModified=db_now())
+    )
+
+
 def current_account() -> Select[Any]:
     """The account the server granted this session, ``user@host`` as a GRANT names it
     (``CURRENT_USER()``: the matching account, not the name the client gave)."""

@@ -11,6 +11,7 @@ def install(app: Celery) -> None:
     """Register the bridge's tasks, signals and worker options on ``app``."""
     from bridge.runtime import (
         canary_guard,
+        daemon_console,
         lifecycle,
         liveness,
         poller,
@@ -23,6 +24,7 @@ def install(app: Celery) -> None:
     poller.install(app)
     canary_guard.install(app)
     quiet_polls.install()
+    daemon_console.install()
     lifecycle.install(app)
     liveness.install(app)
     standby.install(app)

@@ -8,7 +8,8 @@ default 0.25 s interval. Sleeping the whole remaining time costs next to nothing
 sends the poll as close to its due time.
 
 On a Redis broker the beat holding the lock also rescues the leases of messages a dead
-worker had fetched (``bridge.runtime.rescue``).
+worker had fetched (``bridge.runtime.rescue``). Every beat, standing by or not, is listed
+in Phorge's Daemons console (``bridge.runtime.daemon_console``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from celery.beat import Scheduler
 from bridge.config import current_settings
 from bridge.queue import make_engine
 from bridge.queue.beat_lock import CHECK_EVERY, BeatLock
+from bridge.runtime.daemon_console import BEAT, ConsoleEntry
 from bridge.runtime.rescue import Rescuer
 
 
 class PollScheduler(Scheduler):
     lock: BeatLock | None = None
     rescuer: Rescuer | None = None  # Redis brokers only (``bridge.runtime.rescue``)
+    console: ConsoleEntry | None = None
 
     def adjust(self, n: float, drift: float = -0.010) -> float:
         # celery-types says ``n: int``; Celery passes the float seconds until an entry is due.
@@ -39,6 +42,9 @@ class PollScheduler(Scheduler):
             if Rescuer.wanted(self.app):
                 self.rescuer = Rescuer(self.app, engine)
                 self.rescuer.start()
+            self.console = ConsoleEntry.for_settings(settings, BEAT, ["beat"])
+            if self.console is not None:
+                self.console.start()
         held = self.lock.held()
         if self.rescuer is not None:
             self.rescuer.active = held
@@ -47,6 +53,8 @@ class PollScheduler(Scheduler):
         return super().tick(*args, **kwargs)
 
     def close(self) -> None:
+        if self.console is not None:
+            self.console.stop()
         if self.rescuer is not None:
             self.rescuer.stop()
         if self.lock is not None:

@@ -104,6 +104,9 @@ switch ($command) {
       $out[$phid] = phorge_bridge_effects($viewer, $phid);
     }
     break;
+  case 'console':
+    $out = phorge_bridge_console($viewer);
+    break;
   case 'stories':
     // Each task's feed stories: id, chronological key, and the body
     // FeedPublisherHTTPWorker::doWork() POSTs for it.

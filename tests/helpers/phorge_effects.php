@@ -1,9 +1,9 @@
 <?php
 
 /**
- * What Phorge's work left, as the PHORGE_ROOT tests' helper scripts read it (after
- * scripts/init/init-script.php). tests/helpers/phorge_env.py copies this file beside
- * each helper script as helper.php.effects.php.
+ * What Phorge's work left and what its screens show, as the PHORGE_ROOT tests' helper
+ * scripts read them (after scripts/init/init-script.php). tests/helpers/phorge_env.py
+ * copies this file beside each helper script as helper.php.effects.php.
  */
 
 // An object's effects: its feed stories, its search index rows, its transactions and
@@ -45,4 +45,27 @@ function phorge_bridge_hook_body(PhabricatorFeedStory $story) {
     ),
     '',
     '&');
+}
+
+// Phorge's Daemons console (/daemon/): the daemons its query calls alive, each with
+// whether the console's list view shows it (its link).
+function phorge_bridge_console(PhabricatorUser $viewer) {
+  $logs = id(new PhabricatorDaemonLogQuery())->setViewer($viewer)
+    ->withStatus(PhabricatorDaemonLogQuery::STATUS_ALIVE)->execute();
+  $list = id(new PhabricatorDaemonLogListView())->setViewer($viewer)
+    ->setDaemonLogs($logs);
+  $html = hsprintf('%s', $list->render())->getHTMLContent();
+  $out = array();
+  foreach ($logs as $log) {
+    $out[] = array(
+      'daemon' => $log->getDaemon(),
+      'host' => $log->getHost(),
+      'pid' => (int)$log->getPID(),
+      'status' => $log->getStatus(),
+      'user' => $log->getRunningAsUser(),
+      'argv' => $log->getArgv(),
+      'shown' => strpos($html, '/daemon/log/'.$log->getID().'/') !== false,
+    );
+  }
+  return $out;
 }

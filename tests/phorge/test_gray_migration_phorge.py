@@ -21,7 +21,9 @@ Every wait is on a condition in the database (or the receiver), never a fixed ti
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import statistics
 import time
 from collections import Counter
@@ -48,7 +50,7 @@ from gray_phorge import (
     start_bridge,
     with_broken_handler,
 )
-from phorge_daemon import daemon
+from phorge_daemon import DAEMON, daemon
 from phorge_env import HookReceiver, hook_receiver, php_server
 
 from bridge.canary.guard import read_window
@@ -61,7 +63,11 @@ from bridge.canary.weights import (
     bucket,
     label_parts,
 )
+from bridge.config import load_settings
 from bridge.queue.model import label_of
+from bridge.runtime.daemon_console import BEAT as BEAT_DAEMON
+from bridge.runtime.daemon_console import WORKER as WORKER_DAEMON
+from bridge.runtime.daemon_console import ConsoleEntry
 
 HALF = SCALE // 2
 EDITS = 20
@@ -165,6 +171,7 @@ def test_phd_and_the_bridge_share_maniphest_publishing_at_50_percent(
             "the daemon's log to name every task it archived",
             diagnose=d.tail,
         )
+        console = lab.call("console")
     bridge_log = worker.log()
 
     publish = {i: r for i, r in rows.items() if r["taskClass"] == PUBLISH}
@@ -202,11 +209,53 @@ def test_phd_and_the_bridge_share_maniphest_publishing_at_50_percent(
     assert shape["feedStories"] == 1 and shape["indexed"] == 1 and shape["transactions"] >= 2
     assert shape["mails"] and set(shape["mails"]) == {"void"}, shape
     assert not lab.store.read().state.levels, "nothing rolled back meanwhile"
+    # Phorge's Daemons console showed what ran the queue: the shipped daemon, and the
+    # bridge's worker and beat by their main processes, each running on this host.
+    (beat,) = (p for p in bridge.processes if p.name == "beat")
+    running = {(c["daemon"], c["pid"] if c["daemon"] != DAEMON else 0): c for c in console}
+    for key in ((WORKER_DAEMON, worker.pid), (BEAT_DAEMON, beat.pid), (DAEMON, 0)):
+        shown = running.get(key)
+        assert shown and shown["status"] == "run" and shown["shown"], (key, console)
+        assert shown["host"] == socket.gethostname(), shown
     medians = [statistics.median(publish[i]["duration"] for i in ids) / 1e6
                for ids in (bridges, phds)]  # fmt: skip
     print(f"\n{EDITS} edits: {len(bridges)} published by the bridge, {len(phds)} by phd, "
           f"{len(rows)} tasks in {took:.1f} s; median publish {medians[0]:.3f} s on the "
           f"bridge's runner, {medians[1]:.3f} s on phd")  # fmt: skip
+
+
+def test_phorges_daemons_console_judges_a_bridge_process_as_its_own_daemons(
+    fresh: GrayLab,
+) -> None:
+    """Read through Phorge's own query and list view: a listed process is a running
+    daemon with its host, pid and user; Phorge calls it unknown when its heartbeat is
+    over 360 s old and stops listing it once it exited."""
+    lab = fresh
+    settings = load_settings({"BRIDGE_DATABASE_URL": lab.url})
+    entry = ConsoleEntry.for_settings(settings, WORKER_DAEMON, ["worker"])
+    assert entry is not None, "the lab's worker database has its daemon database beside"
+
+    def mine() -> list[tuple[str, bool]]:
+        return [
+            (c["status"], c["shown"])
+            for c in lab.call("console")
+            if c["daemon"] == WORKER_DAEMON and c["pid"] == os.getpid()
+        ]
+
+    entry.beat()  # listed, as start() does, without its heartbeat thread
+    try:
+        assert mine() == [("run", True)]
+        lab.sql(
+            f"UPDATE `{lab.daemon_db}`.daemon_log SET dateModified = dateModified - 400"
+            " WHERE daemonID = :id",
+            id=entry.daemon_id,
+        )
+        assert mine() == [("unknown", True)], "a missed heartbeat is still alive to Phorge"
+        entry.beat()
+        assert mine() == [("run", True)]
+    finally:
+        entry.stop()
+    assert mine() == []
 
 
 # -- 2. a broken bridge is rolled back --------------------------------------------------------
