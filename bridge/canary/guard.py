@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 
 from bridge.canary import sql
-from bridge.canary.ledger import Ledger
+from bridge.canary.ledger import Counts, Ledger
 from bridge.canary.significance import excess_failures_p, rate_change_p
 from bridge.canary.sql import MINUTE
 from bridge.canary.store import CanaryStore
@@ -237,19 +237,41 @@ def long_window(
     cap: its runs cost no read), and the active rows that failed since; without
     durations."""
     since, now = span
-    new, old = _Tally(max_runs), _Tally(0)
-    start = since
+    summed: Counts = {}
+    new_runs: dict[tuple[str | None, int], tuple[int, int]] = {}
+    runs, start = 0, since
     with engine.connect() as conn:
         for minute, counts in ledger.minutes(conn, task_class, now):
             if minute * MINUTE < since:
                 break
-            for (label, result), (rows, failures) in counts.items():
-                _count_summed(new, old, level, label, result, rows, failures)
-            if new.full:
+            for key, (rows, failures) in counts.items():
+                total = summed.setdefault(key, [0, 0])
+                total[0] += rows
+                total[1] += failures
+                if key not in new_runs:
+                    new_runs[key] = _new_side_runs(level, *key)
+                per_row, per_failure = new_runs[key]
+                runs += per_row * rows + per_failure * failures
+            if runs >= max_runs:
                 start = minute * MINUTE
                 break
+        new, old = _Tally(max_runs), _Tally(0)
+        for (label, result), (rows, failures) in summed.items():
+            _count_summed(new, old, level, label, result, rows, failures)
         _failing(conn, new, old, task_class, level, start)
     return Window(task_class, level, now - start, new.stats(), old.stats())
+
+
+def _new_side_runs(level: str, label: str | None, result: int) -> tuple[int, int]:
+    """The new side's runs that one archive row of ``label`` and ``result`` adds, and
+    each of its earlier failures: a day of minutes is summed per label and result
+    once, and the cut needs only the new side's runs as it goes."""
+    counted = []
+    for rows, failures in ((1, 0), (0, 1)):
+        new = _Tally(0)
+        _count_summed(new, _Tally(0), level, label, result, rows, failures)
+        counted.append(new.runs)
+    return counted[0], counted[1]
 
 
 def _count_summed(
