@@ -68,14 +68,17 @@ class Announcement:
         return cls(node, queues, Coverage.from_dict(reply.get("coverage")), down)
 
 
+def consumed_queues(consumer: Any) -> list[str]:
+    """The task queues a worker's consumer consumes now (not those it stands by on)."""
+    task_consumer = consumer.task_consumer
+    return [queue.name for queue in task_consumer.queues] if task_consumer else []
+
+
 @inspect_command()
 def bridge_serves(state: Any, **_: Any) -> dict[str, Any]:
     """This worker's announcement, answered by its main process."""
-    consumer = state.consumer
-    task_consumer = consumer.task_consumer
-    queues = [queue.name for queue in task_consumer.queues] if task_consumer else []
     return {
-        "queues": queues,
+        "queues": consumed_queues(state.consumer),
         "coverage": runtime().registry.coverage().as_dict(),
         "down": down_transports(),
     }

@@ -34,6 +34,7 @@ from bridge.config import Settings, current_settings
 from bridge.queue import make_engine
 from bridge.queue import statements as sql
 from bridge.queue.schema import beside
+from bridge.runtime.announce import consumed_queues
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class ConsoleEntry:
                     conn.execute(sql.daemon_status(self.database, self.daemon_id, status))
                 else:
                     conn.execute(sql.list_daemon(self.database, {**self.row, "status": status}))
-                    self.listed = True
+            self.listed = True  # committed
         except Exception as exc:
             if not self._failing:
                 cause = exc.orig if isinstance(exc, DBAPIError) else exc
@@ -131,9 +132,8 @@ class ConsoleEntry:
 
 def worker_argv(consumer: Any) -> list[str]:
     """What a worker's row shows as its arguments: its node and the queues it consumes."""
-    task_consumer = getattr(consumer, "task_consumer", None)
-    queues = [queue.name for queue in task_consumer.queues] if task_consumer else []
-    return ["worker", "--hostname", str(consumer.hostname), "--queues", ",".join(queues)]
+    queues = ",".join(consumed_queues(consumer))
+    return ["worker", "--hostname", str(consumer.hostname), "--queues", queues]
 
 
 def install() -> None:
