@@ -57,7 +57,7 @@ alive() { [[ -f $1 ]] && ! gone "$(cat "$1")"; }
 install() {
     local missing=0
     for bin in mariadbd mariadb-install-db redis-server rabbitmq-server pkg-config php \
-        promtool prometheus; do
+        promtool prometheus systemd-analyze; do
         command -v "$bin" >/dev/null || missing=1
     done
     # mysqlclient builds from source against libmariadb-dev.
@@ -70,8 +70,9 @@ install() {
     say "installing system packages"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
+    # systemd-analyze checks the shipped unit (no systemd runs here).
     apt-get install -y -qq mariadb-server rabbitmq-server redis-server \
-        pkg-config libmariadb-dev php-cli php-mysql php-curl php-mbstring >/dev/null
+        pkg-config libmariadb-dev php-cli php-mysql php-curl php-mbstring systemd >/dev/null
     # promtool checks the shipped alert rules; an acceptance test starts a server of
     # its own. The node exporter it recommends is not needed.
     apt-get install -y -qq --no-install-recommends prometheus >/dev/null

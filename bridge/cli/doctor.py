@@ -475,7 +475,22 @@ def unreadable(engine: Engine, database: str, exc: Exception) -> str:
     )
 
 
-def count_daemons(doctor: Doctor, name: str, daemon: str) -> tuple[int, str] | Check:
+@dataclass(frozen=True)
+class Daemons:
+    """Daemons of a class in Phorge's daemon log: those alive, those of them run outside
+    phd's overseer (by the shipped systemd unit), and what was left out of the count."""
+
+    live: int
+    standalone: int
+    ignored: str
+
+
+# The argument the shipped unit starts PhorgeBridgeQueueDaemon with, outside phd's
+# overseer (deploy/systemd/phorge-bridge-queue-daemon@.service).
+STANDALONE = "--standalone"
+
+
+def count_daemons(doctor: Doctor, name: str, daemon: str) -> Daemons | Check:
     """The live daemons of class like ``daemon`` in Phorge's daemon log and what is left
     out of the count (those it calls unknown or dead); else check ``name``'s verdict: not
     applicable without a daemon database beside the worker one, unknown when the log
@@ -483,10 +498,12 @@ def count_daemons(doctor: Doctor, name: str, daemon: str) -> tuple[int, str] | C
     database = _daemon_database(doctor.queue)
     if database is None:
         return Check(name, "ok", "not applicable (no Phorge daemon database beside this one)")
-    query = sql.count_daemons(database, daemon, UNKNOWN_AFTER, DEAD_AFTER, RUNNING_STATUSES)
+    query = sql.count_daemons(
+        database, daemon, UNKNOWN_AFTER, DEAD_AFTER, RUNNING_STATUSES, STANDALONE
+    )
     try:
         with doctor.queue.engine.connect() as conn:
-            live, unknown, dead = (int(n) for n in conn.execute(query).one())
+            live, unknown, dead, standalone = (int(n) for n in conn.execute(query).one())
     except Exception as exc:
         return Check(name, "warn", f"unknown: {unreadable(doctor.queue.engine, database, exc)}")
     ignored = (
@@ -495,7 +512,7 @@ def count_daemons(doctor: Doctor, name: str, daemon: str) -> tuple[int, str] | C
         if unknown or dead
         else ""
     )
-    return live, ignored
+    return Daemons(live, standalone, ignored)
 
 
 def check_taskmasters(doctor: Doctor) -> Check:
@@ -505,20 +522,20 @@ def check_taskmasters(doctor: Doctor) -> Check:
     counted = count_daemons(doctor, name, "%TaskmasterDaemon")
     if isinstance(counted, Check):
         return counted
-    live, ignored = counted
-    if live:
+    if counted.live:
         return Check(
             name,
             "warn",
-            f"{live} running. They split the work with the bridge, and retry Python-only "
-            "classes every 5 minutes forever: set phd.taskmasters to 0 and restart phd, "
-            "launching PhorgeBridgeQueueDaemon for a gray migration "
-            f"(docs/operations.md){ignored}",
+            f"{counted.live} running. They split the work with the bridge, and retry "
+            "Python-only classes every 5 minutes forever: set phd.taskmasters to 0 and "
+            "restart phd, running PhorgeBridgeQueueDaemon's unit for a gray migration "
+            f"(docs/operations.md){counted.ignored}",
         )
-    return Check(name, "ok", f"none running{ignored}")
+    return Check(name, "ok", f"none running{counted.ignored}")
 
 
 QUEUE_DAEMON = "PhorgeBridgeQueueDaemon"
+UNIT = "phorge-bridge-queue-daemon"  # deploy/systemd/phorge-bridge-queue-daemon@.service
 
 
 def phds_share(canary: Canary) -> list[str]:
@@ -544,9 +561,11 @@ def weights_after_the_canary_check(doctor: Doctor, name: str) -> Canary | Check:
 
 
 def check_old_side(doctor: Doctor) -> Check:
-    """A share the weights give phd has a live PhorgeBridgeQueueDaemon to run it: nothing
-    else runs that share, and ``bin/phd start``, ``restart`` or a reboot does not start
-    the daemon, so without this check its tasks would wait unseen."""
+    """A share the weights give phd has a live PhorgeBridgeQueueDaemon to run it, one at
+    least under the shipped systemd unit: nothing else runs that share, and ``bin/phd
+    start``, ``restart`` or a reboot starts no daemon outside phd's fixed set (``restart``
+    stops one that ``bin/phd launch`` started), so without this check its tasks would wait
+    unseen."""
     name = "old side"
     canary = weights_after_the_canary_check(doctor, name)
     if isinstance(canary, Check):
@@ -557,19 +576,25 @@ def check_old_side(doctor: Doctor) -> Check:
     counted = count_daemons(doctor, name, QUEUE_DAEMON)
     if isinstance(counted, Check):
         return counted
-    live, ignored = counted
-    if live:
+    running = f"{counted.live} {QUEUE_DAEMON} running for phd's share: {', '.join(share)}"
+    if counted.standalone:
+        return Check(
+            name, "ok", f"{running} ({counted.standalone} under its unit){counted.ignored}"
+        )
+    unit = f"systemctl enable --now {UNIT}@1 (docs/operations.md, Gray migration)"
+    if counted.live:
         return Check(
             name,
-            "ok",
-            f"{live} {QUEUE_DAEMON} running for phd's share: {', '.join(share)}{ignored}",
+            "warn",
+            f"{running}, none under its systemd unit: bin/phd restart stops them and "
+            f"starts none. Run it under the unit instead: {unit}{counted.ignored}",
         )
     return Check(
         name,
         "fail",
         f"no {QUEUE_DAEMON} is running, and the weights give phd {', '.join(share)}: those "
-        f"tasks wait. Start it with ./bin/phd launch {QUEUE_DAEMON} (bin/phd start and "
-        f"restart do not; see docs/operations.md, Gray migration){ignored}",
+        f"tasks wait. Start its systemd unit (bin/phd start and restart do not start it): "
+        f"{unit}{counted.ignored}",
     )
 
 

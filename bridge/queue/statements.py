@@ -802,22 +802,30 @@ def select_highest_task_id() -> Select[Any]:
 
 
 def count_daemons(
-    database: str, daemon: str, unknown_after: int, dead_after: int, running: Sequence[str]
-) -> Select[int, int, int]:
+    database: str,
+    daemon: str,
+    unknown_after: int,
+    dead_after: int,
+    running: Sequence[str],
+    argument: str,
+) -> Select[int, int, int, int]:
     """PhabricatorDaemonLogQuery's verdicts on the daemons whose class is like ``daemon``
     with a ``running`` status in the daemon log of ``database``: how many have a heartbeat
     at most ``unknown_after`` seconds old (live), at most ``dead_after`` (unknown), and
-    older (dead)."""
+    older (dead); and how many of the live ones were started with ``argument`` (the log
+    keeps their arguments as a JSON list)."""
     log = daemon_log(database)
     age = db_now() - log.c.dateModified
+    live = age <= unknown_after
 
     def count(condition: ColumnElement[bool]) -> ColumnElement[int]:
         return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
 
     return select(
-        count(age <= unknown_after),
+        count(live),
         count(and_(age > unknown_after, age <= dead_after)),
         count(age > dead_after),
+        count(and_(live, log.c.argv.like(f'%"{argument}"%'))),
     ).where(log.c.status.in_(list(running)), log.c.daemon.like(daemon))
 
 

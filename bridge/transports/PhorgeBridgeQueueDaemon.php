@@ -2,14 +2,24 @@
 
 /**
  * phorge-bridge: a taskmaster daemon that honours the gray migration's
- * weights. Run it in place of Phorge's own taskmasters:
+ * weights. Run it in place of Phorge's own taskmasters, under the systemd
+ * unit phorge-bridge ships (deploy/systemd/phorge-bridge-queue-daemon@.service):
  *
  *   ./bin/config set phd.taskmasters 0      (then restart phd)
- *   ./bin/phd launch 4 PhorgeBridgeQueueDaemon
+ *   systemctl enable --now phorge-bridge-queue-daemon@{1..4}
  *
- * (or "./bin/phd debug PhorgeBridgeQueueDaemon" in the foreground; its name
- * holds no "taskmaster", so "./bin/phd debug taskmaster" still names Phorge's
- * own alone). It works like PhabricatorTaskmasterDaemon: it leases one task at a time, in
+ * The unit runs it with Phorge's own scripts/daemon/exec/exec_daemon.php and
+ * the argument --standalone, outside phd's overseer: "bin/phd start",
+ * "restart" and "stop" only see and start overseers (phd-daemon processes),
+ * and "start" starts a fixed set of daemons, so no overseer of phd's can
+ * keep this one running. Standalone, it lists itself in Phorge's daemon log
+ * (its Daemons console) as the overseer would list it, never hibernates, and
+ * stops cleanly on SIGINT (the unit's KillSignal). "./bin/phd launch
+ * PhorgeBridgeQueueDaemon" (or "debug", in the foreground) still works for a
+ * try; its name holds no "taskmaster", so "./bin/phd debug taskmaster" still
+ * names Phorge's own alone.
+ *
+ * It works like PhabricatorTaskmasterDaemon: it leases one task at a time, in
  * Phorge's two phases, runs it with PhabricatorWorkerActiveTask::executeTask()
  * (so every outcome is recorded exactly as Phorge records it), and sleeps a
  * second when there is nothing to do. But it leaves alone the rows the
@@ -47,13 +57,22 @@ final class PhorgeBridgeQueueDaemon extends PhabricatorDaemon {
   const PHASE_UNLEASED = 'unleased';
   const PHASE_EXPIRED = 'expired';
 
+  const STANDALONE = '--standalone';
+
   private $canary;
 
   protected function run() {
     $this->canary = new PhorgeBridgeCanary();
+    $listing = null;
+    if ($this->isStandalone()) {
+      $listing = new PhorgeBridgeDaemonListing(__CLASS__, $this->getArgv());
+    }
 
     do {
       PhabricatorCaches::destroyRequestCache();
+      if ($listing) {
+        $listing->beat();
+      }
 
       $task = null;
       $raced = false;
@@ -78,7 +97,8 @@ final class PhorgeBridgeQueueDaemon extends PhabricatorDaemon {
         // As PhabricatorTaskmasterDaemon: the last daemon of a pool
         // hibernates after a while (the overseer module below wakes it up
         // when there is work for it), the others scale down.
-        if ($this->getIdleDuration() > 15) {
+        // Standalone, nothing would wake it: it stays up.
+        if (!$listing && $this->getIdleDuration() > 15) {
           $hibernate_duration = phutil_units('3 minutes in seconds');
           if ($this->shouldHibernate($hibernate_duration)) {
             break;
@@ -90,6 +110,14 @@ final class PhorgeBridgeQueueDaemon extends PhabricatorDaemon {
 
       $this->sleep($sleep);
     } while (!$this->shouldExit());
+
+    if ($listing) {
+      $listing->exited();
+    }
+  }
+
+  private function isStandalone() {
+    return in_array(self::STANDALONE, $this->getArgv(), true);
   }
 
   private function executeLeasedTask(PhabricatorWorkerActiveTask $task) {
@@ -369,6 +397,85 @@ final class PhorgeBridgeQueueDaemon extends PhabricatorDaemon {
 
 
 /**
+ * A standalone PhorgeBridgeQueueDaemon's row in Phorge's daemon log, written
+ * as phd's overseer writes its daemons' rows (PhabricatorDaemonEventListener):
+ * listed at start, its dateModified refreshed by a heartbeat, "exit" at a
+ * clean stop. The console then shows it with host, pid and user, and calls
+ * it unknown, then dead, when the heartbeat stops; doctor and the setup check
+ * count it alive by that heartbeat. The heartbeat comes between tasks: one
+ * task running for over 6 minutes shows it as unknown until it ends. A
+ * failing write is logged once and the daemon works on: the row is a
+ * courtesy to Phorge's screens, not part of running tasks.
+ */
+final class PhorgeBridgeDaemonListing extends Phobject {
+
+  // Half of phd's 120 s, so one late beat never shows the daemon as unknown.
+  const HEARTBEAT = 60;
+
+  private $log;
+  private $failing = false;
+  private $nextBeat = 0;
+
+  public function __construct($daemon_class, array $argv) {
+    $user = posix_getpwuid(posix_geteuid());
+    $this->log = id(new PhabricatorDaemonLog())
+      ->setDaemonID('phorge-bridge-'.Filesystem::readRandomCharacters(12))
+      ->setDaemon($daemon_class)
+      ->setHost(php_uname('n'))
+      ->setPID(getmypid())
+      ->setRunningAsUser($user['name'])
+      ->setStatus(PhabricatorDaemonLog::STATUS_RUNNING)
+      ->setArgv($argv)
+      ->setExplicitArgv($argv);
+  }
+
+  /**
+   * Lists the daemon, or refreshes its heartbeat once HEARTBEAT seconds have
+   * passed since the last write.
+   */
+  public function beat() {
+    if (time() < $this->nextBeat) {
+      return;
+    }
+    $this->nextBeat = time() + self::HEARTBEAT;
+    $this->write();
+  }
+
+  public function exited() {
+    $this->log->setStatus(PhabricatorDaemonLog::STATUS_EXITED);
+    $this->write();
+  }
+
+  private function write() {
+    try {
+      $this->log->save();
+    } catch (Throwable $ex) {
+      if (!$this->failing) {
+        phlog(
+          new Exception(
+            pht(
+              '%s could not write its row in the daemon log; it works on '.
+              'and tries again with each heartbeat.',
+              $this->log->getDaemon()),
+            0,
+            $ex));
+      }
+      $this->failing = true;
+      return;
+    }
+    if ($this->failing) {
+      phlog(
+        pht(
+          '%s is listed in the daemon log again.',
+          $this->log->getDaemon()));
+    }
+    $this->failing = false;
+  }
+
+}
+
+
+/**
  * Wakes a hibernating pool of PhorgeBridgeQueueDaemon when there is a
  * task for it, as PhabricatorTaskmasterDaemonModule does for Phorge's own
  * taskmasters (which it alone knows).
@@ -409,8 +516,8 @@ final class PhorgeBridgeQueueDaemonModule
  * Phorge's setup issues, for an install whose queue phorge-bridge runs:
  *
  *   - "phorge-bridge.old-side-not-running": the weights give phd a share and
- *     no PhorgeBridgeQueueDaemon is alive (bin/phd start, restart and a reboot
- *     do not start it), so that share waits;
+ *     no PhorgeBridgeQueueDaemon is alive (bin/phd start and restart do not
+ *     start it; its systemd unit does), so that share waits;
  *   - "phorge-bridge.queue-not-running": nothing runs the queue, neither a
  *     taskmaster, nor a PhorgeBridgeQueueDaemon, nor a bridge beat (the
  *     holder of the bridge's beat lock). Raised only while Phorge's own
@@ -456,14 +563,19 @@ final class PhorgeBridgeQueueSetupCheck extends PhabricatorSetupCheck {
           pht(
             'The weights in %s leave some tasks to phd, and only the '.
             'PhorgeBridgeQueueDaemon that phorge-bridge ships runs them. '.
-            '%s, %s and a reboot do not start it: launch it again.',
+            '%s and %s do not start it: its systemd unit does, at boot and '.
+            'whenever it exits (phorge-bridge\'s %s).',
             phutil_tag('tt', array(), PhorgeBridgeCanary::OPTION),
             phutil_tag('tt', array(), 'bin/phd start'),
-            phutil_tag('tt', array(), 'bin/phd restart')))
+            phutil_tag('tt', array(), 'bin/phd restart'),
+            phutil_tag(
+              'tt',
+              array(),
+              'deploy/systemd/phorge-bridge-queue-daemon@.service')))
         ->addCommand(
           hsprintf(
-            '<samp>%s $</samp><kbd>./bin/phd launch PhorgeBridgeQueueDaemon</kbd>',
-            self::getServerPath()));
+            '<samp>$</samp><kbd>%s</kbd>',
+            'sudo systemctl enable --now phorge-bridge-queue-daemon@1'));
     }
 
     $ignored = PhabricatorEnv::getEnvConfig('config.ignore-issues');
@@ -484,15 +596,6 @@ final class PhorgeBridgeQueueSetupCheck extends PhabricatorSetupCheck {
           'misses), or the daemons with %s.',
           phutil_tag('tt', array(), 'phorge-bridge doctor'),
           phutil_tag('tt', array(), 'bin/phd start')));
-  }
-
-  // The prompt of a command in the install's root, as Phorge's own checks
-  // show it (upstream Phabricator's PlatformSymbols lacks the method).
-  private static function getServerPath() {
-    if (method_exists('PlatformSymbols', 'getPlatformServerPath')) {
-      return PlatformSymbols::getPlatformServerPath();
-    }
-    return 'phabricator/';
   }
 
   /**

@@ -6,17 +6,23 @@ The two options (``phorge-bridge.canary`` and ``phorge-bridge.canary-state``) be
 the whole install: a test changes them only while it holds the MariaDB lock
 ``phorge-bridge-test:canary-options`` (:func:`options_held`), and their ``config_entry``
 rows are put back as they were found. The daemon runs under ``bin/phd debug`` and is
-stopped with SIGKILL (Phorge's CLI ignores SIGTERM).
+stopped with SIGKILL (Phorge's CLI ignores SIGTERM), or as the shipped systemd unit runs
+it (:class:`Unit`).
 """
 
 from __future__ import annotations
 
+import configparser
 import json
+import os
 import re
 import secrets
+import shlex
+import signal
+import string
 import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,12 @@ from phorge_env import Phorge, kill
 from bridge.canary.weights import OPTION, STATE_OPTION
 
 DAEMON = "PhorgeBridgeQueueDaemon"
+UNIT = (
+    Path(__file__).resolve().parents[2]
+    / "deploy"
+    / "systemd"
+    / "phorge-bridge-queue-daemon@.service"
+)
 LOCK = "phorge-bridge-test:canary-options"
 OPTIONS = (OPTION, STATE_OPTION)  # their config_entry rows restored as found
 
@@ -153,3 +165,79 @@ def daemon(lab: CanaryLab) -> Iterator[Daemon]:
                 daemon=DAEMON,
                 pid=int(overseer.group(1)),
             )
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What systemd runs for the shipped unit (:data:`UNIT`): its command with
+    ``PHORGE_ROOT`` set to the install under test, its standard input and its stop
+    signal (not its ``User``: the tests run as whoever runs them)."""
+
+    command: list[str]
+    stdin: bytes
+    stop_signal: signal.Signals
+
+    @classmethod
+    def read(cls, phorge_root: Path) -> Unit:
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys keep their case
+        parser.read_string(UNIT.read_text())
+        service = parser["Service"]
+        env = dict(pair.split("=", 1) for pair in shlex.split(service["Environment"]))
+        env["PHORGE_ROOT"] = str(phorge_root)
+        command = [
+            string.Template(word).substitute(env) for word in shlex.split(service["ExecStart"])
+        ]
+        stdin = (service["StandardInputText"] + "\n").encode()
+        return cls(command, stdin, signal.Signals[service["KillSignal"]])
+
+
+@dataclass
+class UnitDaemon(Daemon):
+    """The unit's processes: its shell (``process``, a session leader as systemd makes
+    it) and the daemon the shell runs, which starts a session of its own."""
+
+    unit: Unit
+
+    def daemon_pid(self) -> int | None:
+        """The daemon's pid, once the shell started it."""
+        shell = self.process.pid
+        children = Path(f"/proc/{shell}/task/{shell}/children")
+        with suppress(FileNotFoundError):
+            pids = children.read_text().split()
+            return int(pids[0]) if pids else None
+        return None
+
+    def stop(self, signo: signal.Signals) -> None:
+        """``signo`` to each of the unit's processes, as systemd sends its KillSignal to
+        the unit's control group."""
+        for pid in (self.daemon_pid(), self.process.pid):
+            if pid is not None:
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signo)
+
+
+@contextmanager
+def unit_daemon(lab: CanaryLab) -> Iterator[UnitDaemon]:
+    """The daemon as the shipped unit runs it (outside phd's overseer, listing itself),
+    its standard error in the log; each of its processes SIGKILLed afterwards."""
+    unit = Unit.read(lab.phorge.root)
+    log = lab.work / f"unit-{secrets.token_hex(4)}.log"
+    with log.open("wb") as err:
+        process = subprocess.Popen(
+            unit.command,
+            cwd=lab.phorge.root,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,  # as systemd starts a service: a session of its own
+        )
+    assert process.stdin is not None
+    process.stdin.write(unit.stdin)
+    process.stdin.close()
+    running = UnitDaemon(process, log, unit)
+    try:
+        yield running
+    finally:
+        running.stop(signal.SIGKILL)
+        process.wait()

@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -22,6 +23,9 @@ from bridge.queue import PhorgeQueue
 from bridge.queue.beat_lock import BeatLock
 from bridge.queue.schema import metadata
 
+DAEMON_LOG_DDL = (
+    Path(__file__).parent.parent / "reference" / "phorge-daemon-log-schema.sql"
+).read_text()
 WHOAMI_ADMIN = {"userName": "bridge-bot", "roles": ["verified", "approved", "activated", "admin"]}
 
 
@@ -33,10 +37,8 @@ def phorge(mysql_server: sa.Engine) -> Iterator[sa.Engine]:
     with mysql_server.connect() as conn:
         conn.exec_driver_sql(f"CREATE DATABASE `{namespace}_worker`")
         conn.exec_driver_sql(f"CREATE DATABASE `{namespace}_daemon`")
-        conn.exec_driver_sql(
-            f"CREATE TABLE `{namespace}_daemon`.daemon_log (daemon VARCHAR(255),"
-            " status VARCHAR(8), dateModified INT UNSIGNED)"
-        )
+        conn.exec_driver_sql(f"USE `{namespace}_daemon`")
+        conn.exec_driver_sql(DAEMON_LOG_DDL.split("\n;")[0])
     engine = sa.create_engine(mysql_server.url.set(database=f"{namespace}_worker"))
     metadata.create_all(engine)
     try:
@@ -48,16 +50,26 @@ def phorge(mysql_server: sa.Engine) -> Iterator[sa.Engine]:
                 conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{namespace}_{suffix}`")
 
 
-def daemons(engine: sa.Engine, *rows: tuple[str, str, int]) -> None:
-    """Daemon log rows (class, status, heartbeat age in seconds)."""
+def daemons(engine: sa.Engine, *rows: tuple[str, str, int], argv: tuple[str, ...] = ()) -> None:
+    """Daemon log rows (class, status, heartbeat age in seconds), each started with
+    ``argv`` (phd's overseer writes its daemons' arguments as a JSON list)."""
     daemon_log = f"`{engine.url.database.removesuffix('_worker')}_daemon`.daemon_log"
     with engine.begin() as conn:
         for daemon, status, age in rows:
             conn.execute(
                 sa.text(
-                    f"INSERT INTO {daemon_log} VALUES (:daemon, :status, UNIX_TIMESTAMP() - :age)"
+                    f"INSERT INTO {daemon_log} (daemon, host, pid, argv, explicitArgv,"
+                    " dateCreated, dateModified, status, daemonID) VALUES (:daemon, 'here', 1,"
+                    " :argv, :argv, UNIX_TIMESTAMP() - :age, UNIX_TIMESTAMP() - :age, :status,"
+                    " :id)"
                 ),
-                {"daemon": daemon, "status": status, "age": age},
+                {
+                    "daemon": daemon,
+                    "status": status,
+                    "age": age,
+                    "argv": json.dumps(list(argv)),
+                    "id": secrets.token_hex(8),
+                },
             )
 
 
@@ -353,21 +365,25 @@ def test_the_text_report_has_one_line_per_check(doctor, monkeypatch):
     assert any(line.startswith("ok    broker: amqp://") for line in lines)
 
 
-def test_a_share_for_phd_needs_a_live_queue_daemon(phorge, doctor):
-    """The shipped daemon alone runs phd's share, and nothing restarts it after
-    `bin/phd restart` or a reboot: its absence fails doctor, its heartbeat passes it."""
+def test_a_share_for_phd_needs_a_live_queue_daemon_under_its_unit(phorge, doctor):
+    """The shipped daemon alone runs phd's share, and nothing but its systemd unit starts
+    it again after `bin/phd restart` or a reboot: its absence fails doctor, one run by
+    `bin/phd launch` alone warns, one of the unit's passes it."""
     store = CanaryStore(phorge, phorge.url.database)
     mail = "ManiphestTransactionMailWorker"
     store.set_weights(
         {"*": {"bridge": 0}, "PhabricatorSearchWorker": {"bridge": 100}, mail: {"bridge": 25}}
     )
     share = f"{mail} 75%, every class not named"
+    unit = (
+        "systemctl enable --now phorge-bridge-queue-daemon@1 (docs/operations.md, Gray migration)"
+    )
     _, checks = doctor(CANARY_DATABASE=phorge.url.database)
     assert (checks["old side"]["status"], checks["old side"]["detail"]) == (
         "fail",
         f"no PhorgeBridgeQueueDaemon is running, and the weights give phd {share}: those "
-        "tasks wait. Start it with ./bin/phd launch PhorgeBridgeQueueDaemon (bin/phd start "
-        "and restart do not; see docs/operations.md, Gray migration)",
+        "tasks wait. Start its systemd unit (bin/phd start and restart do not start it): "
+        f"{unit}",
     )
     daemons(
         phorge, ("PhorgeBridgeQueueDaemon", "run", 4000), ("PhabricatorTaskmasterDaemon", "run", 5)
@@ -375,12 +391,22 @@ def test_a_share_for_phd_needs_a_live_queue_daemon(phorge, doctor):
     _, checks = doctor()
     assert checks["old side"]["status"] == "fail", "a dead one, or Phorge's own, is not it"
     daemons(phorge, ("PhorgeBridgeQueueDaemon", "wait", 5))
+    ignored = (
+        "; not counted, as Phorge's daemon console calls them: 0 unknown (heartbeat over "
+        "360 s old), 1 dead (over 3600 s)"
+    )
+    _, checks = doctor()
+    assert (checks["old side"]["status"], checks["old side"]["detail"]) == (
+        "warn",
+        f"1 PhorgeBridgeQueueDaemon running for phd's share: {share}, none under its systemd "
+        f"unit: bin/phd restart stops them and starts none. Run it under the unit instead: "
+        f"{unit}{ignored}",
+    )
+    daemons(phorge, ("PhorgeBridgeQueueDaemon", "run", 5), argv=("--standalone",))
     _, checks = doctor()
     assert (checks["old side"]["status"], checks["old side"]["detail"]) == (
         "ok",
-        f"1 PhorgeBridgeQueueDaemon running for phd's share: {share}; not counted, as "
-        "Phorge's daemon console calls them: 0 unknown (heartbeat over 360 s old), 1 dead "
-        "(over 3600 s)",
+        f"2 PhorgeBridgeQueueDaemon running for phd's share: {share} (1 under its unit){ignored}",
     )
     store.set_weights({"*": {"bridge": 100}, mail: {"native": 50}})
     _, checks = doctor()

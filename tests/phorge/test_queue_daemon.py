@@ -4,7 +4,8 @@ Phorge: runs only when PHORGE_ROOT is set.
 The weights are computed alike by PHP (``PhorgeBridgeCanary``), Python
 (``bridge.canary.weights``) and SQL (the condition the daemon adds to its lease). The
 daemon runs under ``bin/phd debug`` against the install's own queue, and is stopped with
-SIGKILL (Phorge's CLI ignores SIGTERM).
+SIGKILL (Phorge's CLI ignores SIGTERM); one test runs it as the shipped systemd unit does,
+beside phd's own daemons.
 
 Keeping apart from whatever else uses the install's queue: the daemon runs only the two
 test classes this module installs (``PhorgeBridgeDaemonTestWorker``, ``...OtherTestWorker``,
@@ -29,7 +30,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from phorge_daemon import DAEMON, CanaryLab, Daemon, daemon, options_held
+from bridge_harness import wait_until
+from phorge_daemon import DAEMON, CanaryLab, Daemon, daemon, options_held, unit_daemon
 from phorge_env import Phorge, phorge_root, worker_database_url
 from phorge_php import HELPER as INTEROP_HELPER
 from phorge_php import InteropPHP
@@ -587,3 +589,71 @@ def test_a_daemon_that_cannot_read_the_weights_takes_the_whole_shared_class(
     assert said == 1
     assert all(row["result"] == 0 for row in lab.rows(ids).values())
     assert all(untouched(row) for row in lab.rows(bridges).values())
+
+
+# -- the shipped unit: the old side outside phd's overseer ----------------------------------
+
+TASKMASTERS = "phd.taskmasters"
+
+
+@pytest.fixture
+def phd_without_taskmasters(lab: Lab) -> Iterator[None]:
+    """``phd.taskmasters`` 0, as docs/operations.md sets it for a gray migration (its
+    local config, the only source of a locked option); phd's daemons stopped and the
+    option deleted afterwards."""
+    done = lab.phorge.bin("config", "set", TASKMASTERS, "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        yield
+    finally:
+        stopped = lab.phorge.bin("phd", "stop")
+        lab.phorge.bin("config", "delete", TASKMASTERS)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+def test_the_units_daemon_lists_itself_and_outlives_phd_restart_and_stop(
+    fresh: Lab, phd_without_taskmasters: None
+) -> None:
+    """The daemon as deploy/systemd's unit runs it lists itself in Phorge's daemon log
+    (Phorge's own setup check counts it alive), runs phd's share, goes on running it
+    through ``bin/phd restart`` (which starts phd's other daemons), ``stop`` and
+    ``start``, and stops on the unit's stop signal, marked exited."""
+    lab = fresh
+    lab.set_weights({WORKER: {"bridge": 0}, OTHER: {"bridge": 0}})
+    with unit_daemon(lab) as d:
+        wait_for(lambda: d.daemon_pid() is not None, "the unit's shell to start the daemon", d)
+        pid = d.daemon_pid()
+
+        def listed() -> list[sa.Row[Any]]:
+            return lab.sql(
+                f"SELECT status, argv, runningAsUser FROM `{lab.daemon_db}`.daemon_log"
+                " WHERE daemon = :daemon AND pid = :pid",
+                daemon=DAEMON,
+                pid=pid,
+            )
+
+        wait_for(lambda: bool(listed()), "the daemon listed", d)
+        (row,) = listed()
+        assert row.status == "run" and json.loads(row.argv) == ["--standalone"], row
+        assert row.runningAsUser
+        assert OLD_SIDE not in lab.call("setup-issues"), "Phorge counts it alive"
+
+        def runs(count: int) -> list[int]:
+            ids = lab.schedule(noop(count))
+            wait_for(lambda: len(lab.archived(ids)) == count, f"{count} rows archived", d)
+            return ids
+
+        ran = runs(5)
+        for command in ("restart", "stop", "start"):
+            done = lab.phorge.bin("phd", command)
+            assert done.returncode == 0, (command, done.stdout + done.stderr)
+            ran += runs(5)
+        assert d.daemon_pid() == pid
+        assert {owner_fields(r["leaseOwner"])[1] for r in lab.rows(ran).values()} == {pid}
+        d.stop(d.unit.stop_signal)
+        wait_until(
+            lambda: not Path(f"/proc/{pid}").exists() and listed()[0].status == "exit",
+            TIMEOUT,
+            "the daemon to end, marked exited",
+            diagnose=d.tail,
+        )
