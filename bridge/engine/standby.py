@@ -33,7 +33,7 @@ def standby_seconds(rt: Runtime, queue: str, present: Sequence[str] | None = Non
         if handler is None or router.queue_for(task_class) != queue:
             continue
         availability = availability_of(handler)
-        if availability is None or not availability.is_open:
+        if availability is None or not availability.is_down:
             return None
         down.append(availability)
     if not down:

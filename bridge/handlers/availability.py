@@ -36,7 +36,7 @@ Probe = Callable[[], "str | None"]
 
 
 class Availability:
-    """One transport's, in one process: ``is_open`` while it is down (the breaker is open);
+    """One transport's, in one process: ``is_down`` while its breaker is open;
     ``listeners`` hear every change (True: down)."""
 
     def __init__(
@@ -59,7 +59,7 @@ class Availability:
         self._next_probe = 0.0
         self._seen_up = -math.inf  # when the transport last answered
         self._lock = threading.RLock()
-        self.is_open = False
+        self.is_down = False
         self.reason = ""
         self.listeners: list[Callable[[bool], None]] = []
 
@@ -68,14 +68,14 @@ class Availability:
         task's outcome)."""
         with self._lock:
             self._seen_up = self._clock()
-            if self.is_open:
+            if self.is_down:
                 log.warning("%s is available again: resuming PHP-only tasks", self.name)
                 self._change(False, "")
 
     def failure(self, reason: str) -> None:
         """The transport is unusable; opens the breaker (once) and schedules the first probe."""
         with self._lock:
-            if self.is_open:
+            if self.is_down:
                 return
             log.error(
                 "%s is unavailable; PHP-only tasks are held back (no failure counted) "
@@ -90,7 +90,7 @@ class Availability:
     def allow(self) -> bool:
         """May a task use the transport now? An open breaker probes once its wait is over."""
         with self._lock:
-            if not self.is_open:
+            if not self.is_down:
                 return True
             return self._clock() >= self._next_probe and self._try()
 
@@ -98,21 +98,21 @@ class Availability:
         """Seconds until an open breaker probes again (0 when closed): how long work for
         this transport is better left to other workers."""
         with self._lock:
-            return max(0.0, self._next_probe - self._clock()) if self.is_open else 0.0
+            return max(0.0, self._next_probe - self._clock()) if self.is_down else 0.0
 
     def verify(self) -> bool:
         """:meth:`allow`, but a closed breaker probes too when its last evidence is stale."""
         with self._lock:
-            if not self.is_open and self._clock() - self._seen_up < self._recheck:
+            if not self.is_down and self._clock() - self._seen_up < self._recheck:
                 return True
-            return self.allow() if self.is_open else self._try()
+            return self.allow() if self.is_down else self._try()
 
     def _try(self) -> bool:
         reason = self._probe()
         if reason is None:
             self.success()
             return True
-        if self.is_open:
+        if self.is_down:
             now = self._clock()
             wait = (now - self._opened) * BACKOFF_SHARE
             wait = min(max(wait, self._min_backoff), self._max_backoff)
@@ -122,7 +122,7 @@ class Availability:
             self.failure(reason)
         return False
 
-    def _change(self, is_open: bool, reason: str) -> None:
-        self.is_open, self.reason = is_open, reason
+    def _change(self, is_down: bool, reason: str) -> None:
+        self.is_down, self.reason = is_down, reason
         for listener in self.listeners:
-            listener(is_open)
+            listener(is_down)

@@ -106,7 +106,7 @@ class Standby(RunObserver):
         transport = rt.registry.coverage().transport_for(item.task_class)
         handler = rt.registry.handler_for(item.task_class)
         availability = availability_of(handler) if handler is not None else None
-        if transport is None or availability is None or not availability.is_open:
+        if transport is None or availability is None or not availability.is_down:
             return  # not a transport's hand-back (a canary's: phd's share)
         queue = rt.settings.router.queue_for(item.task_class)
         with self._lock:

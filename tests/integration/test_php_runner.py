@@ -179,7 +179,7 @@ def test_a_dying_task_fails_alone_with_its_reason_and_wait(fault: str) -> None:
         after = run_handler(handler, context("StandinPidWorker"))
         assert after.outcome is Outcome.SUCCESS and ran_by(after) != before
         assert heard.live == 1
-        assert not handler.availability.is_open  # a task's fault is not the runner's
+        assert not handler.availability.is_down  # a task's fault is not the runner's
     with pytest.raises(ProcessLookupError):
         os.kill(before, 0)
 
@@ -201,7 +201,7 @@ def test_a_process_killed_from_outside_hands_its_task_back_once() -> None:
         assert "killed again" in again.reason
         assert [cause for _, cause in heard.endings] == [Restart.DIED] * 3
         assert run_handler(handler, context("StandinPidWorker")).outcome is Outcome.SUCCESS
-        assert not handler.availability.is_open
+        assert not handler.availability.is_down
 
 
 def test_an_endless_loop_is_stopped_before_its_lease_ends() -> None:
@@ -325,7 +325,7 @@ def test_a_runner_that_cannot_boot_holds_its_classes_back(
         handler.start(1)
         held = run_handler(handler, context("StandinPidWorker"))
         assert held.outcome is Outcome.HANDED_BACK  # for a worker whose PHP boots
-        assert handler.availability.is_open and not is_available(handler)
+        assert handler.availability.is_down and not is_available(handler)
         assert (
             "Unable to establish a connection to any database host" in handler.availability.reason
         )

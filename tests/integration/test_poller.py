@@ -239,11 +239,11 @@ def test_proxied_classes_wait_while_conduit_is_down(make_runtime, sent):
         enqueue(rt, FAST)
         [php_only] = enqueue(rt, "PhabricatorSearchWorker")
         poll_once(rt)
-        assert {m.task_class for m in sent} == {FAST} and proxy.availability.is_open
+        assert {m.task_class for m in sent} == {FAST} and proxy.availability.is_down
         up = True
         proxy.availability._next_probe = 0  # the next probe is due
         poll_once(rt)
-        assert [m.task_id for m in sent[1:]] == [php_only] and not proxy.availability.is_open
+        assert [m.task_id for m in sent[1:]] == [php_only] and not proxy.availability.is_down
 
 
 def test_expired_leases_are_leased_again_under_a_new_owner(make_runtime, sent):

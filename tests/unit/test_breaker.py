@@ -48,7 +48,7 @@ def test_opens_once_backs_off_from_1_to_60_s_and_closes_on_the_first_success(
         assert wait - 0.25 <= min(max((start - 100) / 4, 1), 60) <= wait
     answers.append(None)
     clock.now += 60
-    assert breaker.allow() and not breaker.is_open
+    assert breaker.allow() and not breaker.is_down
     assert changes == [True, False]
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 2 and "unavailable" in lines[0] and "available again" in lines[1]
@@ -60,7 +60,7 @@ def test_verify_probes_a_closed_breaker_only_when_its_evidence_is_stale() -> Non
     breaker.success()
     assert breaker.verify() and probes == []  # fresh evidence
     clock.now += 6
-    assert not breaker.verify() and breaker.is_open and probes == [106.0]
+    assert not breaker.verify() and breaker.is_down and probes == [106.0]
 
 
 def task() -> TaskContext:
@@ -81,7 +81,7 @@ def test_the_proxy_holds_tasks_back_without_calling_while_open() -> None:
         proxy = ConduitProxyHandler(ConduitClient(server.url, TOKEN))
         with pytest.raises(HandBack):
             proxy.run(task())
-        assert proxy.availability.is_open
+        assert proxy.availability.is_down
         with pytest.raises(HandBack, match="held back"):
             proxy.run(task())  # before the first probe is due: no request at all
         assert len(server.requests) == 1

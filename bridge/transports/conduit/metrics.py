@@ -15,5 +15,5 @@ CONDUIT_BREAKER_OPEN = Gauge(
 
 def watch(availability: Availability) -> None:
     """Show Conduit's ``availability`` in :data:`CONDUIT_BREAKER_OPEN`."""
-    CONDUIT_BREAKER_OPEN.set(int(availability.is_open))
+    CONDUIT_BREAKER_OPEN.set(int(availability.is_down))
     availability.listeners.append(lambda down: CONDUIT_BREAKER_OPEN.set(int(down)))

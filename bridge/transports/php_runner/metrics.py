@@ -57,5 +57,5 @@ def watch(runner: PhpRunnerHandler) -> None:
         return
     runner.pool.listeners.append(RunnerPoolMetrics())
     availability = runner.availability
-    PHP_RUNNER_UNAVAILABLE.set(int(availability.is_open))
+    PHP_RUNNER_UNAVAILABLE.set(int(availability.is_down))
     availability.listeners.append(lambda down: PHP_RUNNER_UNAVAILABLE.set(int(down)))
