@@ -15,7 +15,9 @@ live run holds is left to that run and its lease.
 A lease that was a new-side run of a class a gray migration shares (a native handler's
 share, the bridge's share of phd's class) falls back instead: the row goes to the old
 side for good, due at once, and the guard counts the death as the new side's failure
-(a crash is evidence, and the row does not go back to the side that died on it).
+(a crash is evidence, and the row does not go back to the side that died on it). Beat's
+rescue of a dead worker's fetched messages on Redis (``bridge.runtime.rescue``) decides
+the same, with :func:`new_side_runs`.
 """
 
 from __future__ import annotations

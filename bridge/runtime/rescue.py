@@ -16,6 +16,10 @@ starts, or once its process died (the server frees the locks at once) or its hos
 cut off from the database past the session's ``wait_timeout``. A message handed back
 before it started finds its lease gone when it does, and runs nothing; the copies Redis
 restores an hour later find their leases ended.
+
+A dead new-side run of a class a gray migration shares falls back instead, as a
+redelivered copy's does (``bridge.engine.redelivery.new_side_runs``: the class its
+message names, by the registry and weights of this process's runtime).
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from celery import Celery
 from kombu.utils.json import loads
 from sqlalchemy import Engine
 
-from bridge.engine.redelivery import hand_back_unrun
+from bridge import assembly
+from bridge.engine.context import Runtime
+from bridge.engine.redelivery import hand_back_unrun, new_side_runs
 from bridge.queue import Lease, PhorgeQueue
+from bridge.queue.model import Leased
 from bridge.queue.run_locks import RunLocks
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK
 
@@ -42,29 +49,32 @@ FREE_FOR = 4.0  # seconds a fetched lease's lock must stay free before it is han
 POLL_TASK = "bridge.poll"
 
 
-def leases_of(name: str, args: Sequence[Any]) -> list[Lease]:
-    """The leases an execute message carries (``bridge.runtime.dispatch``)."""
+def leases_of(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[Lease, Leased]:
+    """The leases an execute message carries (``bridge.runtime.dispatch``), each with its
+    task as the message names it (its class tells whether a dead run falls back)."""
     if name == EXECUTE_TASK:
         task_id, owner, failure_count = args[:3]
-        return [Lease(int(task_id), str(owner), int(failure_count))]
-    if name == EXECUTE_BATCH:
+        items = [Leased(int(task_id), int(failure_count), kwargs.get("task_class"))]
+    elif name == EXECUTE_BATCH:
         owner, tasks = args[:2]
-        return [Lease(int(task[0]), str(owner), int(task[1])) for task in tasks]
-    return []
+        items = [Leased(int(task[0]), int(task[1]), task[2]) for task in tasks]
+    else:
+        return {}
+    return {Lease(item.id, str(owner), item.failure_count): item for item in items}
 
 
-def fetched_leases(channel: Any) -> list[Lease]:
+def fetched_leases(channel: Any) -> dict[Lease, Leased]:
     """The leases of every execute message some consumer fetched and has not acked, from
     kombu's Redis ``unacked`` hash (each entry: the message, its exchange and routing key)."""
-    found: list[Lease] = []
+    found: dict[Lease, Leased] = {}
     for raw in channel.client.hvals(channel.unacked_key):
         try:
             payload, _, _ = loads(raw)
             message = channel.Message(payload, channel=channel)
             name = message.headers.get("task", "")
             if name in (EXECUTE_TASK, EXECUTE_BATCH):
-                args, _kwargs, _embed = message.decode()
-                found.extend(leases_of(name, args))
+                args, kwargs, _embed = message.decode()
+                found.update(leases_of(name, args, kwargs))
         except Exception as exc:  # someone else's message, or one we cannot read
             log.debug("rescue: an unacked message not read: %s", exc)
     return found
@@ -93,10 +103,13 @@ class FreeSince:
 class Rescuer:
     """Beat's look at the fetched messages (Redis brokers only), in a thread of its own
     so that a slow database or broker never delays a poll; it looks only while
-    :attr:`active` (this beat holds the beat lock)."""
+    :attr:`active` (this beat holds the beat lock). ``runtime``: whose registry and
+    weights tell which dead runs fall back (this process's, built at the first rescue)."""
 
-    def __init__(self, app: Celery, engine: Engine) -> None:
-        self.app, self.engine = app, engine
+    def __init__(
+        self, app: Celery, engine: Engine, runtime: Callable[[], Runtime] = assembly.runtime
+    ) -> None:
+        self.app, self.engine, self.runtime = app, engine, runtime
         self.active = False
         self.runs = RunLocks(engine)
         self.queue = PhorgeQueue(engine)
@@ -129,16 +142,17 @@ class Rescuer:
                     log.warning("rescue: no look at the fetched messages: %s", exc)
                     conn.collect()
 
-    def look(self, leases: Sequence[Lease], now: float) -> list[int]:
-        """One look: hand back the leases whose lock stayed free long enough; returns
-        the ids handed back."""
-        present = dict.fromkeys(leases)
-        self.settled &= present.keys()
-        unique = [lease for lease in present if lease not in self.settled]
+    def look(self, fetched: Mapping[Lease, Leased], now: float) -> list[int]:
+        """One look at the fetched leases (:func:`fetched_leases`): hand back those whose
+        lock stayed free long enough, new-side runs of a shared class as fallbacks;
+        returns the ids handed back (fallen back included)."""
+        self.settled &= fetched.keys()
+        unique = [lease for lease in fetched if lease not in self.settled]
         due = self.free_since.due(unique, self.runs.free(unique), now)
         if not due:
             return []
-        result = hand_back_unrun(self.runs, self.queue.session, due, 0)
+        fall_back = self.fallbacks([fetched[lease] for lease in due])
+        result = hand_back_unrun(self.runs, self.queue.session, due, 0, fall_back)
         self.free_since.forget(due)
         self.settled.update(lease for lease in due if lease.task_id not in result.running)
         if result.handed_back:
@@ -148,3 +162,14 @@ class Rescuer:
             )
             self.app.send_task(POLL_TASK)
         return result.handed_back
+
+    def fallbacks(self, items: Sequence[Leased]) -> Collection[int]:
+        """The ids of ``items`` that fall back (:func:`new_side_runs`); none when this
+        process's runtime cannot be built, said each time: a dead worker's tasks must run
+        again whatever else is wrong, and a plain hand-back is what they got before
+        gray migrations."""
+        try:
+            return new_side_runs(self.runtime(), items)
+        except Exception as exc:
+            log.warning("rescue: handed back without fallbacks (no runtime to tell): %s", exc)
+            return ()

@@ -7,7 +7,8 @@ broker); and a PHP runner process ``kill -9``ed under a live worker of either po
 RabbitMQ redelivers the dead one's messages (``acks_late``, ``reject_on_worker_lost``)
 and their copies hand back every lease no live run holds (``bridge.engine.redelivery``);
 on Redis, beat's rescue hands back the leases of messages a dead worker had fetched
-(``bridge.runtime.rescue``). Either way the tasks run again in new leases. Each scenario
+(``bridge.runtime.rescue``). Either way the tasks run again in new leases; under a gray
+migration, the dead new-side runs of a shared class fall back instead. Each scenario
 prints the re-run delay of the tasks the dead worker was running and the survivor's
 rate against its rate before the death; the delay is asserted with a wide margin (60 s
 for a 30 s target), the rate only printed (this machine is loaded). A PHP runner process
@@ -21,16 +22,19 @@ import os
 import re
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from canary import new_side, set_weights
 from celery import Celery
 from kombu import Exchange
 from kombu import Queue as KombuQueue
 from php_standin import STANDIN_ROOT, php_binary
 
-from bridge.canary.weights import labelled
+from bridge.canary.guard import read_window
+from bridge.canary.weights import BRIDGE, labelled
 from bridge.config import Settings
 from bridge.queue import Lease
 from bridge.queue.model import RESULT_SUCCESS
@@ -144,6 +148,78 @@ def test_a_lost_host_s_tasks_run_again_within_seconds(
         report(run, f"host lost on {broker}", "survivor", killed, at)
     finally:
         victim.kill()
+
+
+FELL_BACK = re.compile(r"rescue: redelivered: .* fallen back to the old side \(([^)]*)\)")
+
+
+def rescue_lines(beat) -> list[str]:
+    """Beat's lines about what its rescue did (``bridge.runtime.rescue``)."""
+    return [line for line in beat.log().splitlines() if "rescue: redelivered:" in line]
+
+
+def fallen_back(lines: list[str]) -> set[int]:
+    """The ids those lines say fell back."""
+    return {
+        int(i) for line in lines if (m := FELL_BACK.search(line)) for i in re.findall(r"\d+", m[1])
+    }
+
+
+def test_a_killed_worker_s_new_side_runs_of_a_shared_class_fall_back_on_redis(
+    fault_database, fault_redis, make_fault_bridge, fault_run
+) -> None:
+    """``FaultTask`` shared at 50% with phd (none runs here), a prefork worker ``kill -9``ed
+    on Redis: beat's rescue falls back what the dead worker held, as a redelivered copy
+    does on RabbitMQ. Those rows go to phd (failureTime set, no failure counted) and never
+    run again on the bridge, the guard's window counts each as a new-side fallback, phd's
+    share is untouched and nothing is archived as failed. Then the class moves wholly to
+    the bridge, and every task runs, once a lease."""
+    bridge = make_fault_bridge(fault_database, fault_redis.url, DISPATCH_LEASE=DEFAULT_LEASE)
+    set_weights(bridge.engine, {"FaultTask": {"bridge": 50}})
+    victim, _ = fleet(bridge)
+    [beat] = [process for process in bridge.processes if process.name == "beat"]
+    run = fault_run(bridge)
+    ids = run.queue(TASKS, duration=SECONDS)
+    ours = new_side(BRIDGE, 50, ids)
+    phds = set(ids) - ours
+    assert ours and phds
+    run.start()
+    killed = {dead["id"] for dead in mid_task(run, "victim")}
+    at = time.time()
+    victim.kill()
+    bridge.wait_until(lambda: fallen_back(rescue_lines(beat)), WAIT, "a fallback by the rescue")
+    delay = time.time() - at
+
+    def settled() -> bool:
+        """Each row of the bridge's share archived or fallen back, none leased."""
+        rows = bridge.active_rows(sorted(ours)).values()
+        return all(row.failureTime is not None and row.leaseOwner is None for row in rows)
+
+    bridge.wait_until(settled, WAIT, "the bridge's share archived or fallen back")
+    lines = rescue_lines(beat)
+    fell = fallen_back(lines)
+    assert not any("handed back (" in line for line in lines), "none back to the new side"
+    rows = bridge.active_rows(ids)
+    assert {i for i, row in rows.items() if row.failureTime is not None} == fell
+    assert fell <= ours and rows.keys() - fell == phds, "only the dead new-side runs fell back"
+    assert {(rows[i].failureCount, rows[i].leaseOwner) for i in fell} == {(0, None)}
+    assert {(rows[i].leaseOwner, rows[i].failureTime) for i in phds} == {(None, None)}
+    runs = Counter(r["id"] for r in bridge.fault_runs())
+    assert all(runs[i] == 1 for i in killed) and all(runs[i] <= 1 for i in fell)
+    assert not runs.keys() & phds, "phd's share never ran on the bridge"
+    archived = bridge.archived(ids)
+    assert archived.keys() == ours - fell
+    assert {row.result for row in archived.values()} == {RESULT_SUCCESS}
+    window = read_window(bridge.engine, "FaultTask", BRIDGE, 300, 2000)
+    assert (window.new.runs, window.new.fallbacks) == (len(ours), len(fell))
+    print(
+        f"\n[fault] prefork worker on redis, a class shared at 50%: {len(fell)} new-side "
+        f"run(s) fallen back {delay:.1f} s after the kill ({len(killed)} seen mid-task)"
+    )
+
+    set_weights(bridge.engine, {"FaultTask": {"bridge": 100}})  # phd's work, run here
+    run.over()
+    run.check()
 
 
 def test_a_killed_prefork_child_s_task_runs_again_within_seconds(
