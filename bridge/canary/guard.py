@@ -25,8 +25,10 @@ however many beats and workers send it; beat sends it every
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 
 from bridge.canary import sql
-from bridge.canary.ledger import Counts, Ledger
+from bridge.canary.ledger import Counts, Ledger, Minutes, add_counts
 from bridge.canary.significance import excess_failures_p, rate_change_p
 from bridge.canary.sql import MINUTE
 from bridge.canary.store import CanaryStore
@@ -183,89 +185,168 @@ class _Tally:
         )
 
 
-def read_window(engine: Engine, task_class: str, level: str, seconds: int, max_runs: int) -> Window:
-    """``task_class``'s runs of the last ``seconds``, split into the two sides of
-    ``level`` by their lease owners' labels: archived rows newest first, until the new
-    side has ``max_runs`` runs or the old side ``OLD_RUNS_PER_NEW`` times that (both
-    sides then cover the same, shorter span); then the active rows that failed in that
-    span, read after the archive so that a row archived meanwhile is missed rather than
-    counted twice."""
-    new, old = _Tally(max_runs), _Tally(OLD_RUNS_PER_NEW * max_runs)
-    since: int | None = None  # where the window was cut, when it was
-    before: tuple[int, int] | None = None
+@dataclass
+class _Reading:
+    """A window as it is read: whose, from which second on, both sides' tallies, and
+    whether its archive rows are all counted (its span read, or cut)."""
+
+    task_class: str
+    level: str
+    start: int
+    new: _Tally
+    old: _Tally
+    complete: bool = False
+
+    def window(self, now: int) -> Window:
+        return Window(
+            self.task_class, self.level, now - self.start, self.new.stats(), self.old.stats()
+        )
+
+
+def read_windows(
+    engine: Engine, asked: Sequence[tuple[str, str, int]], max_runs: int
+) -> list[Window]:
+    """For each ``(task_class, level, seconds)`` of ``asked``, the class's runs of the
+    last ``seconds``, split into the two sides of ``level`` by their lease owners'
+    labels: archived rows newest first, until the new side has ``max_runs`` runs or the
+    old side ``OLD_RUNS_PER_NEW`` times that (both sides then cover the same, shorter
+    span); then the active rows that failed in that span, read after the archive so
+    that a row archived meanwhile is missed rather than counted twice. One pass over the
+    archive serves them all (:func:`sql.archived_runs`), each window cut on its own."""
+    if not asked:
+        return []
     with engine.connect() as conn:
         now = int(conn.execute(sql.server_time()).scalar_one())
-        while since is None:
-            rows = conn.execute(sql.archived_runs(task_class, seconds, PAGE_ROWS, before)).all()
-            for row in rows:
-                _count(new, old, level, row)
-                if new.full or old.full:
-                    since = row.dateModified
-                    break
-            if len(rows) < PAGE_ROWS:
-                break
-            before = (rows[-1].dateModified, rows[-1].id)
-        start = now - seconds if since is None else since
-        _failing(conn, new, old, task_class, level, start)
-    return Window(task_class, level, now - start, new.stats(), old.stats())
+        readings = [
+            _Reading(
+                task_class,
+                level,
+                now - seconds,
+                _Tally(max_runs),
+                _Tally(OLD_RUNS_PER_NEW * max_runs),
+            )
+            for task_class, level, seconds in asked
+        ]
+        _read_archive(conn, readings)
+        _failing(conn, readings)
+    return [reading.window(now) for reading in readings]
+
+
+def read_window(engine: Engine, task_class: str, level: str, seconds: int, max_runs: int) -> Window:
+    """:func:`read_windows` of one class."""
+    return read_windows(engine, [(task_class, level, seconds)], max_runs)[0]
+
+
+def _read_archive(conn: Connection, readings: list[_Reading]) -> None:
+    """The archive rows of the readings' spans onto them, newest first, a page at a time
+    of the classes still read, until each is complete."""
+    by_class: dict[str, list[_Reading]] = {}
+    for reading in readings:
+        by_class.setdefault(reading.task_class, []).append(reading)
+    before: tuple[int, int] | None = None
+    while reading_now := [reading for reading in readings if not reading.complete]:
+        classes = sorted({reading.task_class for reading in reading_now})
+        since = min(reading.start for reading in reading_now)
+        rows = conn.execute(sql.archived_runs(classes, since, PAGE_ROWS, before)).all()
+        for row in rows:
+            for reading in by_class[row.taskClass]:
+                if reading.complete:
+                    continue
+                if row.dateModified < reading.start:  # older than its span, as all after
+                    reading.complete = True
+                    continue
+                _count(reading.new, reading.old, reading.level, row)
+                if reading.new.full or reading.old.full:
+                    reading.start, reading.complete = row.dateModified, True
+        if len(rows) < PAGE_ROWS:
+            break
+        before = (rows[-1].dateModified, rows[-1].id)
 
 
 def summed_window(engine: Engine, task_class: str, level: str, seconds: int) -> Window:
     """The runs of :func:`read_window`, over the whole of the last ``seconds`` (no cut)
     and summed by the server (a day of runs is one grouped statement), without the
     durations, which only reading each row would give (``canary report --since``)."""
-    new, old = _Tally(0), _Tally(0)
     with engine.connect() as conn:
         now = int(conn.execute(sql.server_time()).scalar_one())
-        for row in conn.execute(sql.minute_runs(task_class, now - seconds - 1, now)).all():
-            _count_summed(new, old, level, row.label, row.result, int(row.rows), int(row.failures))
-        _failing(conn, new, old, task_class, level, now - seconds)
-    return Window(task_class, level, seconds, new.stats(), old.stats())
+        reading = _Reading(task_class, level, now - seconds, _Tally(0), _Tally(0))
+        for row in conn.execute(sql.minute_runs([task_class], now - seconds - 1, now)).all():
+            _count_summed(
+                reading.new,
+                reading.old,
+                level,
+                row.label,
+                row.result,
+                int(row.rows),
+                int(row.failures),
+            )
+        _failing(conn, [reading])
+    return reading.window(now)
 
 
-def long_window(
+def long_windows(
     engine: Engine,
     ledger: Ledger,
-    task_class: str,
-    level: str,
-    span: tuple[int, int],
+    asked: Sequence[tuple[str, str, int]],
+    now: int,
     max_runs: int,
-) -> Window:
-    """``task_class``'s runs from the ledger's minutes of ``span`` (its first and last
-    second, the database's clock), newest first, cut for both sides at once at the
-    first whole minute where the new side has ``max_runs`` runs (the old side has no
-    cap: its runs cost no read), and the active rows that failed since; without
-    durations."""
-    since, now = span
-    summed: Counts = {}
-    new_runs: dict[tuple[str | None, int], tuple[int, int]] = {}
-    runs, start = 0, since
+) -> list[Window]:
+    """For each ``(task_class, level, since)`` of ``asked``, the class's runs from the
+    ledger's minutes from ``since`` to ``now`` (the database's clock), newest first, cut
+    for both sides at once at the first whole minute where the new side has ``max_runs``
+    runs (the old side has no cap: its runs cost no read), and the active rows that
+    failed since; without durations. The ledger is brought up to date, and the active
+    rows read, once for them all."""
+    if not asked:
+        return []
     with engine.connect() as conn:
-        for minute, counts in ledger.minutes(conn, task_class, now):
+        kept = ledger.minutes(conn, sorted({task_class for task_class, _, _ in asked}), now)
+        readings = [
+            _from_minutes(kept[task_class], task_class, level, since, max_runs)
+            for task_class, level, since in asked
+        ]
+        _failing(conn, readings)
+    return [reading.window(now) for reading in readings]
+
+
+def _from_minutes(
+    minutes: Minutes, task_class: str, level: str, since: int, max_runs: int
+) -> _Reading:
+    """One long window's reading, before its active rows: the minutes' sum from
+    ``since`` when the new side has fewer than ``max_runs`` runs in it, else the minutes
+    newest first until it has."""
+    summed = minutes.summed_from(-(-since // MINUTE))  # the first whole minute
+    start = since
+    if _new_side_runs(level, summed) >= max_runs:
+        summed, runs = {}, 0
+        for minute, counts in minutes.newest_first():
             if minute * MINUTE < since:
                 break
-            for key, (rows, failures) in counts.items():
-                total = summed.setdefault(key, [0, 0])
-                total[0] += rows
-                total[1] += failures
-                if key not in new_runs:
-                    new_runs[key] = _new_side_runs(level, *key)
-                per_row, per_failure = new_runs[key]
-                runs += per_row * rows + per_failure * failures
+            add_counts(summed, counts)
+            runs += _new_side_runs(level, counts)
             if runs >= max_runs:
                 start = minute * MINUTE
                 break
-        new, old = _Tally(max_runs), _Tally(0)
-        for (label, result), (rows, failures) in summed.items():
-            _count_summed(new, old, level, label, result, rows, failures)
-        _failing(conn, new, old, task_class, level, start)
-    return Window(task_class, level, now - start, new.stats(), old.stats())
+    reading = _Reading(task_class, level, start, _Tally(max_runs), _Tally(0))
+    for (label, result), (rows, failures) in summed.items():
+        _count_summed(reading.new, reading.old, level, label, result, rows, failures)
+    return reading
 
 
-def _new_side_runs(level: str, label: str | None, result: int) -> tuple[int, int]:
+def _new_side_runs(level: str, counts: Counts) -> int:
+    """The new side's runs in ``counts``."""
+    runs = 0
+    for (label, result), (rows, failures) in counts.items():
+        per_row, per_failure = _new_side_runs_per(level, label, result)
+        runs += per_row * rows + per_failure * failures
+    return runs
+
+
+@functools.lru_cache(maxsize=1024)
+def _new_side_runs_per(level: str, label: str | None, result: int) -> tuple[int, int]:
     """The new side's runs that one archive row of ``label`` and ``result`` adds, and
-    each of its earlier failures: a day of minutes is summed per label and result
-    once, and the cut needs only the new side's runs as it goes."""
+    each of its earlier failures: the long window's cut needs only the new side's runs,
+    and a day of minutes repeats a few labels and results."""
     counted = []
     for rows, failures in ((1, 0), (0, 1)):
         new = _Tally(0)
@@ -287,22 +368,31 @@ def _count_summed(
     tally.archived_rows(rows, failures, result, shown, followups)
 
 
-def _failing(
-    conn: Connection, new: _Tally, old: _Tally, task_class: str, level: str, start: int
-) -> None:
-    """The active rows that failed since ``start``, onto their sides: a fallback waiting
-    for the old side, a temporary failure waiting for its retry (the old side's run of a
-    fallback that failed too: both sides' failures)."""
-    for row in conn.execute(sql.failed_in_window(task_class, start)).all():
-        label = label_of(row.leaseOwner)
-        if row.failureCount == 0:  # only a fallback leaves a failure time and no count
-            new.fell_back()
-            continue
-        side = side_of(level, label)
-        if side == FELL_BACK:  # the old side failed it too, after the new side had
-            new.fell_back()
-        tally = new if side == NEW else old
-        tally.failed_for_now(row.failureCount, label or PHD)
+def _failing(conn: Connection, readings: list[_Reading]) -> None:
+    """The active rows that failed in each reading's span, onto its sides, in one
+    statement: a fallback waiting for the old side, a temporary failure waiting for its
+    retry (the old side's run of a fallback that failed too: both sides' failures)."""
+    by_class: dict[str, list[_Reading]] = {}
+    for reading in readings:
+        by_class.setdefault(reading.task_class, []).append(reading)
+    since = min(reading.start for reading in readings)
+    for row in conn.execute(sql.failed_in_window(sorted(by_class), since)).all():
+        for reading in by_class[row.taskClass]:
+            if row.failureTime >= reading.start:
+                _failed(reading.new, reading.old, reading.level, row)
+
+
+def _failed(new: _Tally, old: _Tally, level: str, row: Any) -> None:
+    """One active row's failures onto their sides."""
+    label = label_of(row.leaseOwner)
+    if row.failureCount == 0:  # only a fallback leaves a failure time and no count
+        new.fell_back()
+        return
+    side = side_of(level, label)
+    if side == FELL_BACK:  # the old side failed it too, after the new side had
+        new.fell_back()
+    tally = new if side == NEW else old
+    tally.failed_for_now(row.failureCount, label or PHD)
 
 
 def _count(new: _Tally, old: _Tally, level: str, row: Any) -> None:
@@ -432,6 +522,51 @@ class Suspicions:
         self._seen[key] = self._seen.get(key, 0) + 1
         return self._seen[key] >= (self.limit if limit is None else limit)
 
+    def forget(self, task_class: str, level: str) -> None:
+        """Evaluations before a fresh judgement do not count towards a rollback."""
+        self._seen.pop((task_class, level), None)
+
+
+def note_versions(
+    store: CanaryStore,
+    canary: Canary,
+    versions: Mapping[tuple[str, str], str],
+    now: int,
+    suspicions: Suspicions,
+) -> Canary:
+    """Record the new side's version of each shared class and level in the state: a
+    change from the recorded one starts a fresh judgement (its runs from now, its
+    suspicions forgotten), as Flagger analyses a new revision afresh. Returns the
+    canary as it now stands."""
+    shared = {(task_class, level) for task_class, level, _ in canary.partial()}
+    changed = {
+        key: version
+        for key, version in versions.items()
+        if key in shared and canary.state.of(*key).version != version
+    }
+    if not changed:
+        return canary
+
+    def change(state: CanaryState) -> CanaryState:
+        for (task_class, level), version in changed.items():
+            weight = percent(canary.weight(task_class, level))
+            state = state.with_version(task_class, level, now, version, weight)
+        return state
+
+    store.change_state(change)
+    for (task_class, level), version in changed.items():
+        was = canary.state.of(task_class, level).version
+        if was is not None:
+            suspicions.forget(task_class, level)
+            log.warning(
+                "canary: %s (%s) runs %s on its new side (was %s): judged afresh from now",
+                task_class,
+                level,
+                version,
+                was,
+            )
+    return store.read()
+
 
 def guard_lock_name(owner_prefix: str) -> str:
     return f"{owner_prefix}:canary-guard"
@@ -505,33 +640,38 @@ def _ramp(store: CanaryStore, canary: Canary, task_class: str, level: str, now: 
 def judged_windows(
     engine: Engine,
     ledger: Ledger,
-    task_class: str,
-    level: str,
+    judged: Sequence[tuple[str, str, int | None, int]],
     now: int,
     settings: Settings,
-    promoted: int | None,
-    min_runs: int,
-) -> tuple[Window, Window]:
-    """The two windows the guard judges, both since the promotion if there was one:
-    the short one (``BRIDGE_CANARY_WINDOW``, read row by row, with durations), quick to
-    show a large difference, and the long one (``BRIDGE_CANARY_HISTORY``, from the
-    ledger), which a small one at low traffic needs. The short window's old side is
+) -> list[tuple[Window, Window]]:
+    """The two windows the guard judges for each ``(task_class, level, since,
+    min_runs)`` of ``judged``, both from ``since`` if the class is judged afresh from a
+    promotion or a new version (``CanaryState.judged_since``): the short one
+    (``BRIDGE_CANARY_WINDOW``, read row by row, with durations, every class's at once),
+    quick to show a large difference, and the long one (``BRIDGE_CANARY_HISTORY``, from
+    the ledger), which a small one at low traffic needs. The short window's old side is
     the history's when it holds fewer than ``min_runs`` runs (the old side's history is
-    evidence whatever the promotion)."""
+    evidence whatever the new side's promotion or version)."""
     seconds, history = settings.canary_window, now - settings.canary_history
-    if promoted is not None:
-        seconds = max(0, min(seconds, now - promoted))
-    short = read_window(engine, task_class, level, seconds, settings.canary_window_runs)
+    short_asked, long_asked = [], []
+    for task_class, level, since, _ in judged:
+        span = seconds if since is None else max(0, min(seconds, now - since))
+        short_asked.append((task_class, level, span))
+        long_asked.append((task_class, level, history if since is None else max(history, since)))
     runs = LONG_RUNS_PER_SHORT * settings.canary_window_runs
-
-    def over(since: int) -> Window:
-        return long_window(engine, ledger, task_class, level, (since, now), runs)
-
-    long = over(history if promoted is None else max(history, promoted))
-    if short.old.runs < min_runs:
-        old = long.old if promoted is None or promoted <= history else over(history).old
-        short = replace(short, old=old)
-    return short, long
+    shorts = read_windows(engine, short_asked, settings.canary_window_runs)
+    longs = long_windows(engine, ledger, long_asked, now, runs)
+    windows = []
+    for (task_class, level, since, min_runs), short, long in zip(
+        judged, shorts, longs, strict=True
+    ):
+        if short.old.runs < min_runs:
+            old = long.old
+            if since is not None and since > history:  # the old side's whole history
+                old = long_windows(engine, ledger, [(task_class, level, history)], now, runs)[0].old
+            short = replace(short, old=old)
+        windows.append((short, long))
+    return windows
 
 
 def guard_once(
@@ -540,11 +680,15 @@ def guard_once(
     settings: Settings,
     suspicions: Suspicions,
     ledger: Ledger | None = None,
+    versions: Callable[[Canary], Mapping[tuple[str, str], str]] | None = None,
 ) -> list[str]:
     """Judge every shared class once: roll back those the new side was found worse for
     on ``failure_limit`` evaluations in a row, and move a quiet ramp to its next step.
-    Returns what it did (``rollback C (level)``, ``step C (level) 5%``); nothing but one
-    read of the options when no class is shared, or when another guard holds the lock."""
+    ``versions``: the new side's version of each shared (class, level) of a canary, as
+    the live workers announce it; a new one starts a fresh judgement
+    (:func:`note_versions`). Returns what
+    it did (``rollback C (level)``, ``step C (level) 5%``); nothing but one read of the
+    options when no class is shared, or when another guard holds the lock."""
     if not store.read().partial():
         return []
     bounds = Bounds.from_settings(settings)
@@ -554,17 +698,25 @@ def guard_once(
         if now is None:
             return []
         canary = store.read()  # under the lock: as the last guard left it
+        if versions is not None:
+            canary = note_versions(store, canary, versions(canary), now, suspicions)
+        shared = []
         for task_class, level, _weight in canary.partial():
-            # Since a promotion only: the runs that made the rollback are judged already.
-            promoted = canary.state.promoted_at(task_class, level)
+            # Since a promotion (the runs that made the rollback are judged already) or a
+            # new version of the new side (the old one's runs judge another code).
+            since = canary.state.judged_since(task_class, level)
             # The class's own bounds over the settings' (``"guard"`` in its weights).
             own: dict[str, Any] = dict(canary.configured(task_class).guard)
             mine = replace(bounds, **own)
-            short, long = judged_windows(
-                engine, ledger, task_class, level, now, settings, promoted, mine.min_runs
-            )
+            shared.append((task_class, level, since, mine, own.get("failure_limit")))
+        judged = [
+            (task_class, level, since, mine.min_runs)
+            for task_class, level, since, mine, _ in shared
+        ]
+        windows = judged_windows(engine, ledger, judged, now, settings)
+        for (task_class, level, _, mine, limit), (short, long) in zip(shared, windows, strict=True):
             reason = verdict(short, mine) or verdict(long, mine)
-            if suspicions.confirmed(task_class, level, reason, own.get("failure_limit")):
+            if suspicions.confirmed(task_class, level, reason, limit):
                 if _trip(store, task_class, level, now, str(reason)):
                     made.append(f"rollback {task_class} ({level})")
                 continue

@@ -5,10 +5,10 @@ A small difference at low traffic (3% failing against 1%, a class at one task a 
 and a 5% share) needs thousands of new-side runs, hours of them, to be told from chance;
 reading hours of archive rows each second is not affordable (the archive's only usable
 index is ``dateModified``, so a window reads every class's rows of its span). The
-ledger is kept in the guard's process instead: the first evaluation of a class sums its
-history in one grouped statement, and each later one adds the minutes of the rows
-archived since the previous (a few seconds of rows), then forgets the minutes that left
-the span.
+ledger is kept in the guard's process instead: the first evaluation of the classes sums
+their history in one grouped statement, and each later one adds the minutes of the rows
+archived since the previous (a few seconds of rows, every class's in one statement),
+then forgets the minutes that left the span.
 
 A row is added once it is ``SETTLE`` s old: its ``dateModified`` is its writer's clock
 (PHP's ``time()`` on a phd host) and its transaction may commit after that second, so a
@@ -17,7 +17,7 @@ younger row could still appear behind the ledger's mark.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import Connection
@@ -30,10 +30,49 @@ SETTLE = 5
 Counts = dict[tuple[str | None, int], list[int]]  # (label, result) -> [rows, failures]
 
 
+def add_counts(into: Counts, counts: Counts, sign: int = 1) -> None:
+    """``counts`` added to ``into`` (``sign`` -1: taken out; a key left with no row goes)."""
+    for key, (rows, failures) in counts.items():
+        summed = into.setdefault(key, [0, 0])
+        summed[0] += sign * rows
+        summed[1] += sign * failures
+        if not summed[0]:
+            del into[key]
+
+
 @dataclass
-class _Kept:
+class Minutes:
+    """A class's runs of the span per minute, and their sum, kept so that a long window
+    with fewer runs than its cut is its sum less a few old minutes, not a day of them
+    added up at each evaluation."""
+
     upto: int  # rows archived at or before this second are summed
-    minutes: dict[int, Counts] = field(default_factory=dict)  # oldest minute first
+    by_minute: dict[int, Counts] = field(default_factory=dict)  # oldest minute first
+    total: Counts = field(default_factory=dict)
+
+    def add(self, minute: int, key: tuple[str | None, int], rows: int, failures: int) -> None:
+        """One grouped row of the archive, onto its minute and the sum."""
+        for counts in (self.by_minute.setdefault(minute, {}), self.total):
+            summed = counts.setdefault(key, [0, 0])
+            summed[0] += rows
+            summed[1] += failures
+
+    def newest_first(self) -> Iterator[tuple[int, Counts]]:
+        return reversed(self.by_minute.items())
+
+    def summed_from(self, first: int) -> Counts:
+        """The sum of the minutes from ``first`` on."""
+        summed = {key: list(both) for key, both in self.total.items()}
+        for minute, counts in self.by_minute.items():
+            if minute >= first:
+                break
+            add_counts(summed, counts, -1)
+        return summed
+
+    def forget_before(self, first: int) -> None:
+        """The minutes before ``first`` gone, from the sum too."""
+        while self.by_minute and (oldest := next(iter(self.by_minute))) < first:
+            add_counts(self.total, self.by_minute.pop(oldest), -1)
 
 
 @dataclass
@@ -41,25 +80,32 @@ class Ledger:
     """The summed runs of each class the guard judged, over the last ``span`` s."""
 
     span: int
-    _kept: dict[str, _Kept] = field(default_factory=dict)
+    _kept: dict[str, Minutes] = field(default_factory=dict)
 
-    def minutes(self, conn: Connection, task_class: str, now: int) -> Iterator[tuple[int, Counts]]:
-        """``task_class``'s minutes of the span, newest first, brought up to ``now``
-        (the database's clock) less ``SETTLE``; a class unseen for longer than the span
-        is summed afresh."""
-        oldest = now - self.span
-        kept = self._kept.get(task_class)
-        if kept is None or kept.upto < oldest:
-            kept = self._kept[task_class] = _Kept(oldest)
-        upto = now - SETTLE
-        if upto > kept.upto:
-            rows = conn.execute(sql.minute_runs(task_class, kept.upto, upto)).all()
+    def minutes(
+        self, conn: Connection, task_classes: Sequence[str], now: int
+    ) -> dict[str, Minutes]:
+        """The minutes of the span of each of ``task_classes``, brought up to ``now``
+        (the database's clock) less ``SETTLE``: one grouped statement for the classes
+        summed up to the same second (all of them but at a class's first evaluation); a
+        class unseen for longer than the span is summed afresh."""
+        oldest, upto = now - self.span, now - SETTLE
+        behind: dict[int, list[str]] = {}
+        for task_class in task_classes:
+            kept = self._kept.get(task_class)
+            if kept is None or kept.upto < oldest:
+                kept = self._kept[task_class] = Minutes(oldest)
+            if upto > kept.upto:
+                behind.setdefault(kept.upto, []).append(task_class)
+        for after, classes in behind.items():
+            rows = conn.execute(sql.minute_runs(classes, after, upto)).all()
             for row in sorted(rows, key=lambda r: int(r.minute)):
-                counts = kept.minutes.setdefault(int(row.minute), {})
-                summed = counts.setdefault((row.label, int(row.result)), [0, 0])
-                summed[0] += int(row.rows)
-                summed[1] += int(row.failures)
-            kept.upto = upto
-        while kept.minutes and next(iter(kept.minutes)) < oldest // MINUTE:
-            del kept.minutes[next(iter(kept.minutes))]
-        return reversed(kept.minutes.items())
+                key = (row.label, int(row.result))
+                self._kept[row.taskClass].add(
+                    int(row.minute), key, int(row.rows), int(row.failures)
+                )
+            for task_class in classes:
+                self._kept[task_class].upto = upto
+        for task_class in task_classes:
+            self._kept[task_class].forget_before(oldest // MINUTE)
+        return {task_class: self._kept[task_class] for task_class in task_classes}

@@ -9,9 +9,11 @@ phd's overseer restarts the daemons when one appears, and a rollback must not.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
     Insert,
     Select,
     Table,
@@ -82,30 +84,35 @@ def update_option(table: Table, row_id: int, value_json: str) -> Update:
     )
 
 
-def failed_in_window(task_class: str, since: int) -> Select[Any]:
-    """``task_class``'s active rows whose last failure came at ``since`` or later
+def failed_in_window(task_classes: Sequence[str], since: int) -> Select[Any]:
+    """The active rows of ``task_classes`` whose last failure came at ``since`` or later
     (``key_failuretime``): a fallback waiting for the old side (a failure time with no
     failure counted, which only a fallback leaves), or a temporary failure waiting for
-    its retry (``failureCount`` failures so far, by the side its owner names)."""
-    return select(active.c.leaseOwner, active.c.failureCount).where(
+    its retry (``failureCount`` failures so far, by the side its owner names). Each row
+    says its class and failure time: one statement serves windows of several classes
+    and starts."""
+    return select(
+        active.c.taskClass, active.c.failureTime, active.c.leaseOwner, active.c.failureCount
+    ).where(
         active.c.failureTime >= since,
-        active.c.taskClass == task_class,
+        active.c.taskClass.in_(task_classes),
     )
 
 
 def archived_runs(
-    task_class: str,
-    seconds: int,
+    task_classes: Sequence[str],
+    since: int,
     limit: int,
     before: tuple[int, int] | None = None,
 ) -> Select[Any]:
-    """``task_class``'s archive rows archived in the last ``seconds`` (``dateModified``,
-    which archiveTask() sets, through the archive's ``key_modified`` index), newest
-    first, ``limit`` at a time; ``before``: the (dateModified, id) a previous page ended
-    at. The server's clock comes with each row."""
+    """The archive rows of ``task_classes`` archived at ``since`` or later
+    (``dateModified``, which archiveTask() sets, through the archive's ``key_modified``
+    index), newest first, ``limit`` at a time; ``before``: the (dateModified, id) a
+    previous page ended at. All the classes in one statement: the index has no class, so
+    a statement per class would read every class's rows of the span again."""
     where = [
-        archive.c.dateModified >= db_now() - seconds,
-        archive.c.taskClass == task_class,
+        archive.c.dateModified >= since,
+        archive.c.taskClass.in_(task_classes),
     ]
     if before is not None:
         modified, task_id = before
@@ -118,6 +125,7 @@ def archived_runs(
     return (
         select(
             archive.c.id,
+            archive.c.taskClass,
             archive.c.leaseOwner,
             archive.c.failureCount,
             archive.c.result,
@@ -130,15 +138,23 @@ def archived_runs(
     )
 
 
-def minute_runs(task_class: str, after: int, upto: int) -> Select[Any]:
-    """``task_class``'s archive rows archived after ``after`` and at or before ``upto``
-    (``dateModified``, through ``key_modified``), summed per minute, who ran them and how
-    they ended: rows and their earlier failures per (minute, label, result), so that a day
-    of runs is counted by the server, not read row by row."""
+def minute_runs(task_classes: Sequence[str], after: int, upto: int) -> Select[Any]:
+    """The archive rows of ``task_classes`` archived after ``after`` and at or before
+    ``upto`` (``dateModified``, through ``key_modified``), summed per class, minute, who
+    ran them and how they ended: rows and their earlier failures per (class, minute,
+    label, result), so that a day of runs is counted by the server, not read row by
+    row, and several classes' rows in one pass."""
     minute = archive.c.dateModified // MINUTE
     label = owner_label(archive.c.leaseOwner)
+    grouped = [minute, label, archive.c.result]
+    task_class: ColumnElement[Any] = archive.c.taskClass
+    if len(task_classes) > 1:
+        grouped.insert(0, task_class)
+    else:  # one class (the report's day) needs no longer key in the server's grouping
+        task_class = literal(task_classes[0])
     return (
         select(
+            task_class.label("taskClass"),
             minute.label("minute"),
             label.label("label"),
             archive.c.result,
@@ -148,9 +164,9 @@ def minute_runs(task_class: str, after: int, upto: int) -> Select[Any]:
         .where(
             archive.c.dateModified > after,
             archive.c.dateModified <= upto,
-            archive.c.taskClass == task_class,
+            archive.c.taskClass.in_(task_classes),
         )
-        .group_by(minute, label, archive.c.result)
+        .group_by(*grouped)
     )
 
 

@@ -286,22 +286,29 @@ def without_weight(value: Any, task_class: str, level: str | None) -> dict[str, 
 @dataclass(frozen=True)
 class LevelState:
     """What the bridge decided for one class and level: rolled back (since when, why),
-    and the ramp step reached (since when)."""
+    the ramp step reached (since when), and the version of the new side the guard last
+    saw the live workers announce."""
 
     rolled_back_at: int | None = None
     reason: str = ""
     step: int = 0
     step_since: int | None = None
     paused: bool = False  # an operator's pause: the guard holds the ramp at its step
+    version: str | None = None
 
     @property
     def rolled_back(self) -> bool:
         return self.rolled_back_at is not None
 
 
+VERSION = "version"  # the event of a new version on the new side
+FRESH_EVENTS = ("promote", VERSION)  # the events the guard judges afresh from
+
+
 @dataclass(frozen=True)
 class Event:
-    """One line of a class's history: a rollback, a promotion or a ramp step."""
+    """One line of a class's history: a rollback, a promotion, a ramp step, a pause or
+    its end, or a new version on the new side."""
 
     at: int
     task_class: str
@@ -359,12 +366,16 @@ class CanaryState:
             raise TypeError(f"step: expected an integer from 0, got {step!r}")
         rolled_back = entry.get("rolled_back")
         since = {} if rolled_back is None else _as_object(rolled_back)
+        version = entry.get("version")
+        if version is not None and not isinstance(version, str):
+            raise TypeError(f"version: expected a string, got {version!r}")
         return LevelState(
             since.get("at"),
             since.get("reason", ""),
             step,
             entry.get("step_since"),
             entry.get("paused") is True,
+            version,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -373,6 +384,8 @@ class CanaryState:
             entry: dict[str, Any] = {"step": state.step, "step_since": state.step_since}
             if state.paused:
                 entry["paused"] = True
+            if state.version is not None:
+                entry["version"] = state.version
             if state.rolled_back:
                 entry["rolled_back"] = {"at": state.rolled_back_at, "reason": state.reason}
             classes.setdefault(name, {})[level] = entry
@@ -397,15 +410,29 @@ class CanaryState:
         history = (*(e for e in self.history if id(e) not in dropped), event)
         return CanaryState(levels, history)
 
-    def promoted_at(self, task_class: str, level: str) -> int | None:
-        """When an operator last promoted ``task_class`` at ``level``: the guard judges
-        only runs since then, not the failures that made the rollback."""
+    def judged_since(self, task_class: str, level: str) -> int | None:
+        """Since when the guard judges ``task_class`` at ``level`` afresh: an operator's
+        last promotion (not the failures that made the rollback), or the last new version
+        of its new side (a new revision, as Flagger starts its analysis again for one)."""
         times = [
             e.at
             for e in self.history
-            if (e.task_class, e.level, e.event) == (task_class, level, "promote")
+            if (e.task_class, e.level) == (task_class, level) and e.event in FRESH_EVENTS
         ]
         return max(times, default=None)
+
+    def with_version(
+        self, task_class: str, level: str, at: int, version: str, weight: float
+    ) -> CanaryState:
+        """``version`` seen on the new side: a change from the one recorded is a history
+        event that starts a fresh judgement; a first sight is only recorded (what was
+        judged so far ran it)."""
+        seen = self.of(task_class, level)
+        state = replace(seen, version=version)
+        if seen.version is None:
+            return CanaryState({**self.levels, (task_class, level): state}, self.history)
+        event = Event(at, task_class, level, VERSION, weight, f"{seen.version} -> {version}")
+        return self._with(task_class, level, state, event)
 
     def with_rollback(self, task_class: str, level: str, at: int, reason: str) -> CanaryState:
         reason = stored(reason)
@@ -418,7 +445,7 @@ class CanaryState:
         self, task_class: str, level: str, at: int, weight: float, reason: str = ""
     ) -> CanaryState:
         """Rollback cleared; a ramp starts again from its first step."""
-        state = LevelState(step=0, step_since=at)
+        state = LevelState(step=0, step_since=at, version=self.of(task_class, level).version)
         return self._with(
             task_class, level, state, Event(at, task_class, level, "promote", weight, reason)
         )

@@ -19,7 +19,7 @@ import click
 from sqlalchemy import Engine
 
 from bridge.canary import sql
-from bridge.canary.guard import SideStats, Window, read_window, summed_window
+from bridge.canary.guard import SideStats, Window, read_windows, summed_window
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import (
     BRIDGE,
@@ -160,6 +160,8 @@ def level_json(canary: Canary, task_class: str, level: str) -> dict[str, Any]:
         "rolled_back": {"at": state.rolled_back_at, "reason": state.reason}
         if state.rolled_back
         else None,
+        "version": state.version,
+        "judged_since": canary.state.judged_since(task_class, level),
     }
 
 
@@ -481,6 +483,10 @@ def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
     if state != "-":
         weight += f", rolled back {state}"
     lines.append(weight)
+    version = canary.state.of(name, level).version or "not announced"
+    since = canary.state.judged_since(name, level)
+    judged = "" if since is None else f", judged afresh since {stamp(since, now)}"
+    lines.append(f"new side's version: {version}{judged}")
     history = [e for e in canary.state.history if e.task_class == name]
     if history:
         lines.append("history:")
@@ -538,13 +544,12 @@ def report(
     seconds = since or window or ctx.settings.canary_window
     now = ctx.now()
     runs = ctx.settings.canary_window_runs
-    windows = [
-        summed_window(ctx.engine, name, lv, seconds)
+    asked = [(name, level or default_level(current, name)) for name in classes]
+    windows = (
+        [summed_window(ctx.engine, name, lv, seconds) for name, lv in asked]
         if since
-        else read_window(ctx.engine, name, lv, seconds, runs)
-        for name in classes
-        for lv in [level or default_level(current, name)]
-    ]
+        else read_windows(ctx.engine, [(name, lv, seconds) for name, lv in asked], runs)
+    )
     if as_json:
         shown = []
         for w in windows:

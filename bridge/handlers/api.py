@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import InitVar, dataclass, field
+from importlib import metadata
+from importlib.metadata import packages_distributions
 from typing import Any
 
 # The outcome exceptions live with every other error; handlers import them from here.
@@ -112,6 +114,18 @@ def scheduled(task: TaskContext) -> int:
     return task._scheduled[0] if task._scheduled else 0
 
 
+@functools.cache
+def _distributions() -> Mapping[str, list[str]]:
+    # Read once: a worker runs the code it imported, whatever is installed later.
+    return packages_distributions()
+
+
+def distribution_version(module: str) -> str | None:
+    """``name version`` of the distribution that installed ``module``'s top-level package."""
+    names = _distributions().get(module.partition(".")[0])
+    return f"{names[0]} {metadata.version(names[0])}" if names else None
+
+
 class Handler(ABC):
     """Base class for native handlers; subclasses set ``task_classes`` and override ``run``.
 
@@ -128,6 +142,13 @@ class Handler(ABC):
     def name(self) -> str:
         """Where the handler is defined, as an entry point names it (``module:qualname``)."""
         return f"{type(self).__module__}:{type(self).__qualname__}"
+
+    @property
+    def version(self) -> str | None:
+        """The version of the code that runs its classes (``distribution version``: what
+        installed the handler's package), None when no distribution did. A gray migration
+        judges a new side afresh from the moment its version changes."""
+        return distribution_version(type(self).__module__)
 
     def required_lease(self, task: TaskContext) -> int | None:
         """Seconds of lease the run needs (Phorge's ``getRequiredLeaseTime``)."""

@@ -24,6 +24,13 @@ def allowed(task_class: str, include: Iterable[str], exclude: Iterable[str]) -> 
     )
 
 
+def version_key(transport: str, task_class: str) -> str:
+    """Where :meth:`Registry.versions` keeps the version of ``transport`` serving
+    ``task_class``: a native handler's per class (``native:Class``), a PHP transport's
+    once for all its classes (``runner``, ``proxy``)."""
+    return f"{NATIVE}:{task_class}" if transport == NATIVE else transport
+
+
 @dataclass(frozen=True)
 class Coverage:
     """What a registry serves, in a form one worker announces to the others' polls
@@ -115,6 +122,14 @@ class Registry:
             include=self.include,
             exclude=self.exclude,
         )
+
+    def versions(self) -> dict[str, str]:
+        """The version of what serves each class here (:attr:`Handler.version`), keyed as
+        :func:`version_key` says: what a worker announces, so that a gray migration judges
+        a new side afresh once what runs it changed."""
+        served = [(version_key(NATIVE, c), h) for c, h in self.native.items()]
+        served += [(t, h) for t, h in ((RUNNER, self.runner), (PROXY, self.fallback)) if h]
+        return {key: version for key, h in served if (version := h.version) is not None}
 
     def handler_for(self, task_class: str) -> Handler | None:
         """The handler for a class, or None when the bridge must not run it (matched

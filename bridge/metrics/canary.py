@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
-from bridge.canary.guard import read_window
+from bridge.canary.guard import read_windows
 from bridge.canary.store import CanaryStore, decode_state, decode_weights
 from bridge.canary.weights import (
     LEVELS,
@@ -143,7 +143,8 @@ class CanaryCollector:
         return rolled_back
 
     def sides(self, pairs: list[tuple[str, str]]) -> Iterator[GaugeMetricFamily]:
-        """Each side's runs of the guard's window, from Phorge's archive."""
+        """Each side's runs of the guard's window, from Phorge's archive (one read for
+        all the pairs, as the guard's)."""
         by_side = ["task_class", "level", "side"]
         runs = GaugeMetricFamily(
             RUNS,
@@ -167,8 +168,9 @@ class CanaryCollector:
             f"New-side runs of the last {self.window} s that failed and fell back to the old side",
             labels=["task_class", "level"],
         )
-        for task_class, level in pairs:
-            window = read_window(self.engine, task_class, level, self.window, self.window_runs)
+        asked = [(task_class, level, self.window) for task_class, level in pairs]
+        for window in read_windows(self.engine, asked, self.window_runs):
+            task_class, level = window.task_class, window.level
             for side, figures in zip(SIDES, (window.new, window.old), strict=True):
                 labels = [task_class, level, side]
                 runs.add_metric(labels, figures.runs)

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
 from celery.worker.control import inspect_command
 
 from bridge.assembly import runtime
-from bridge.handlers.registry import Coverage
+from bridge.handlers.registry import Coverage, version_key
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,19 @@ def down_transports() -> list[str]:
 @dataclass(frozen=True)
 class Announcement:
     """One live worker: the task queues it consumes now (not those it stands by on),
-    what it serves, and its transports that are down (``runner``, ``proxy``)."""
+    what it serves, its transports that are down (``runner``, ``proxy``), and the version
+    of what serves each class (``Registry.versions``; none from a worker of a release
+    before versions were announced)."""
 
     node: str
     queues: tuple[str, ...]
     coverage: Coverage
     down: tuple[str, ...] = ()
+    versions: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def version_for(self, task_class: str, transport: str) -> str | None:
+        """The version of ``transport`` serving ``task_class`` on this worker."""
+        return self.versions.get(version_key(transport, task_class))
 
     def runs(self, task_class: str, queue: str) -> bool:
         """Whether this worker would run ``task_class`` if a message of it reached
@@ -63,9 +71,10 @@ class Announcement:
             raise ValueError(f"not an announcement: {reply!r}")
         try:
             queues, down = tuple(reply["queues"]), tuple(reply["down"])
-        except (KeyError, TypeError) as exc:
+            versions = {str(k): str(v) for k, v in reply.get("versions", {}).items()}
+        except (AttributeError, KeyError, TypeError) as exc:
             raise ValueError(f"not an announcement: {reply!r}") from exc
-        return cls(node, queues, Coverage.from_dict(reply.get("coverage")), down)
+        return cls(node, queues, Coverage.from_dict(reply.get("coverage")), down, versions)
 
 
 def consumed_queues(consumer: Any) -> list[str]:
@@ -77,10 +86,12 @@ def consumed_queues(consumer: Any) -> list[str]:
 @inspect_command()
 def bridge_serves(state: Any, **_: Any) -> dict[str, Any]:
     """This worker's announcement, answered by its main process."""
+    registry = runtime().registry
     return {
         "queues": consumed_queues(state.consumer),
-        "coverage": runtime().registry.coverage().as_dict(),
+        "coverage": registry.coverage().as_dict(),
         "down": down_transports(),
+        "versions": registry.versions(),
     }
 
 

@@ -3,7 +3,7 @@
 durable MariaDB with Phorge's schema unchanged.
 
 Timed, each as its user meets it: the guard's first evaluation in a process (the
-ledger sums each shared class's day once), its later evaluations while the classes
+ledger sums the shared classes' day once), its later evaluations while the classes
 keep archiving (100 rows a second), a scrape of the canary gauges, and ``canary report
 --since 24h``. Wall time and this process's CPU time, median of the repeats.
 """

@@ -599,3 +599,49 @@ def test_doctor_fails_a_share_that_no_live_worker_runs(make_bridge, database_url
         bridge.doctor()["canary reach"]["detail"]
         == "1 class(es) named for the bridge, each run by a live worker"
     )
+
+
+def test_a_new_version_of_the_native_handler_is_judged_afresh(make_bridge, database_url, amqp_url):
+    """The version the live workers announce for the class's native handler (its
+    distribution's) is recorded as the new side's; a worker deployed with the handler's
+    next version, beside the old one and then alone, starts a fresh judgement, in the
+    history and in the report."""
+    bridge = deployment(make_bridge, database_url, amqp_url)
+    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    queues = [bridge.default_queue, bridge.control_queue]
+    old = bridge.worker("worker-1", queues)
+    bridge.beat("beat-1")
+    bridge.wait_ready(old)
+
+    def version() -> str | None:
+        return read(bridge.engine).state.of(CLASS, NATIVE).version
+
+    first, second = "canary_handlers 0", "canary_handlers 1"
+    wait_until(lambda: version() == first, WAIT, "the first version", diagnose=bridge.diagnose)
+    assert read(bridge.engine).state.history == (), "a first sight judges nothing afresh"
+    deployed = write_plugin(
+        bridge.directory / "canary-plugin-1",
+        HANDLERS,
+        "CanaryNative = canary_handlers:CanaryNative",
+        extra=HANDLER_HELPERS,
+        version="1",
+    )
+    path = bridge.environ("worker-2")["PYTHONPATH"].replace(str(bridge.plugin_dir), str(deployed))
+    new = bridge.worker("worker-2", queues, env={"PYTHONPATH": path})
+    bridge.wait_ready(new)
+    both = f"{first}, {second}"
+    wait_until(lambda: version() == both, WAIT, "both versions", diagnose=bridge.diagnose)
+    old.signal(signal.SIGTERM)
+    old.wait(WAIT)
+    wait_until(lambda: version() == second, WAIT, "the new version alone", diagnose=bridge.diagnose)
+    state = read(bridge.engine).state
+    # Each change the guard saw (a worker slow to answer one survey is one more).
+    changes = [(event.event, event.reason) for event in state.history]
+    assert {event for event, _ in changes} == {"version"}
+    assert changes[0][1].startswith(f"{first} -> ")
+    assert changes[-1] == ("version", f"{both} -> {second}")
+    assert state.judged_since(CLASS, NATIVE) == state.history[-1].at
+    report = bridge.cli("canary", "report", CLASS)
+    assert report.returncode == 0, report.stderr
+    assert f"new side's version: {second}, judged afresh since" in report.stdout
+    assert f"{both} -> {second}" in report.stdout

@@ -54,16 +54,22 @@ def write_plugin(
     handlers: Path = PLUGIN,
     entry_point: str = "RecordingTestWorker = recording_handlers:RecordingTestWorker",
     extra: tuple[Path, ...] = (),
+    version: str = "0",
 ) -> Path:
     """A directory for PYTHONPATH: a handler module, what it imports, and a distribution
-    registering it in ``phorge_bridge.handlers``, as a third-party package would."""
+    of ``version`` registering it in ``phorge_bridge.handlers`` and naming the modules it
+    installed, as a third-party package would."""
     directory.mkdir(parents=True, exist_ok=True)
-    for source in (handlers, RUN_RECORD, *extra):
+    sources = (handlers, RUN_RECORD, *extra)
+    for source in sources:
         shutil.copy(source, directory / source.name)
-    dist = directory / f"{handlers.stem}-0.dist-info"
+    dist = directory / f"{handlers.stem}-{version}.dist-info"
     dist.mkdir(exist_ok=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {handlers.stem}\nVersion: 0\n")
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {handlers.stem}\nVersion: {version}\n"
+    )
     (dist / "entry_points.txt").write_text(f"[phorge_bridge.handlers]\n{entry_point}\n")
+    (dist / "top_level.txt").write_text("".join(f"{source.stem}\n" for source in sources))
     return directory
 
 

@@ -7,7 +7,7 @@ The windows are the guard's (``guard.judged_windows``), to the second: the short
 last ``window`` seconds, cut for both sides at once where the new side has
 ``window_runs`` runs or the old side four times that (``guard.read_window``); and the
 long one, the last ``history`` seconds, cut where the new side has
-``LONG_RUNS_PER_SHORT`` times ``window_runs`` runs (``guard.long_window``: the ledger's
+``LONG_RUNS_PER_SHORT`` times ``window_runs`` runs (``guard.long_windows``: the ledger's
 minutes, and its ``SETTLE`` s, are not simulated).
 A failure counts when it happens, as the guard counts the active rows' failures.
 

@@ -82,6 +82,8 @@ def test_status_shows_configured_and_effective_weights(cli):
         "effective": 5.0,
         "ramp": None,
         "rolled_back": None,
+        "version": None,
+        "judged_since": None,
     }
     assert shown["default"] == {"bridge": 0.0, "native": 100.0}
 
@@ -218,7 +220,8 @@ def test_report_shows_both_sides_from_labelled_archive_rows(cli):
     ]  # fmt: skip
     assert old_line[:3] == ["old", "25", "88.0%"]
     assert text[4].startswith("weight: 0% on the new side (configured 20%), rolled back since ")
-    assert text[5] == "history:" and text[6].endswith("native  rollback     0%  too slow")
+    assert text[5] == "new side's version: not announced"
+    assert text[6] == "history:" and text[7].endswith("native  rollback     0%  too slow")
     # A shorter window, and every named class without CLASS.
     assert json.loads(invoke("canary", "report", FEED, "--window", "1", "--json"))
     every = json.loads(invoke("canary", "report", "--json"))["classes"]

@@ -3,13 +3,13 @@ the window read off archive rows, and the rollbacks and ramp steps it makes, on 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import replace
 
 import pytest
 import sqlalchemy as sa
+from canary_archive import TASK_IDS, archived, owner
 
 from bridge.canary import guard
 from bridge.canary import sql as canary_sql
@@ -19,8 +19,9 @@ from bridge.canary.guard import (
     Suspicions,
     Window,
     guard_once,
-    long_window,
+    long_windows,
     read_window,
+    read_windows,
     summed_window,
     verdict,
 )
@@ -29,9 +30,7 @@ from bridge.canary.store import CanaryStore
 from bridge.canary.weights import BRIDGE, NATIVE, CanaryState, stored
 from bridge.config import load_settings
 from bridge.queue import make_engine
-from bridge.queue.schema import metadata
 from bridge.queue.schema import worker_activetask as active
-from bridge.queue.schema import worker_archivetask as archive
 
 BOUNDS = Bounds(slowdown_floor=0.1)  # the defaults but the floor
 ONCE = replace(BOUNDS, failure_limit=1)
@@ -159,55 +158,6 @@ def test_bounds_come_from_the_settings():
 # -- on SQLite, with archive rows ---------------------------------------------------------
 
 
-@pytest.fixture
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path / 'q.db'}"
-    engine = make_engine(url)
-    metadata.create_all(engine)
-    yield engine, load_settings({"BRIDGE_DATABASE_URL": url})
-    engine.dispose()
-
-
-_ids = itertools.count(1)
-
-
-def archived(
-    engine: sa.Engine,
-    owner: str | None,
-    *,
-    count: int = 1,
-    task_class: str = "C",
-    result: int = 0,
-    failures: int = 0,
-    duration_us: int = 10_000,
-    age: int = 0,
-) -> None:
-    """``count`` archive rows of ``task_class`` run by ``owner``, archived ``age`` s ago."""
-    now = int(time.time())
-    rows = [
-        {
-            "id": next(_ids),
-            "taskClass": task_class,
-            "leaseOwner": owner,
-            "leaseExpires": now + 60,
-            "failureCount": failures,
-            "dataID": 1,
-            "result": result,
-            "duration": duration_us,
-            "dateCreated": now - age,
-            "dateModified": now - age,
-            "priority": 3000,
-        }
-        for _ in range(count)
-    ]
-    with engine.begin() as conn:
-        conn.execute(sa.insert(archive), rows)
-
-
-def owner(label: str) -> str:
-    return f"bridge:{label}:100:{int(time.time())}:host:1"
-
-
 @pytest.mark.parametrize("level", [NATIVE, BRIDGE])
 def test_a_summed_span_counts_what_reading_each_row_counts(engine, level):
     """``canary report --since``'s grouped statement against the row-by-row window, on
@@ -233,7 +183,7 @@ def test_a_summed_span_counts_what_reading_each_row_counts(engine, level):
     each = read_window(engine, "C", level, 300, 500)
     summed = summed_window(engine, "C", level, 300)
     now = int(time.time())
-    ledger = long_window(engine, Ledger(3600), "C", level, (now - 300, now + SETTLE), 500)
+    (ledger,) = long_windows(engine, Ledger(3600), [("C", level, now - 300)], now + SETTLE, 500)
     for side in ("new", "old"):
         assert getattr(summed, side) == replace(getattr(each, side), p50=None, p99=None), side
         assert getattr(ledger, side) == getattr(summed, side), side
@@ -329,6 +279,66 @@ def test_the_window_is_cut_for_both_sides_at_once(db, monkeypatch, page):
     assert (busy.new.runs, busy.old.runs) == (0, 4)
 
 
+def mixed(engine: sa.Engine, now: int) -> None:
+    """20 batches of rows 10 s apart over several classes, on the same seconds, and
+    active rows that failed at several ages: what one read for all classes sorts out."""
+    phd = f"phd:1:{now}:web:1"
+    for batch in range(20):
+        age = 10 * batch
+        archived(engine, owner("native"), count=3, task_class="A", age=age)
+        archived(engine, owner("runner"), count=2, task_class="A", age=age)
+        archived(engine, owner("runner"), count=5, task_class="B", age=age, failures=batch % 3)
+        archived(engine, owner("native"), task_class="B", age=age, result=batch % 2)
+        archived(engine, owner("native"), count=4, task_class="Other", age=age)
+        archived(engine, owner("runner-fallback"), task_class="C", age=age + 5)
+        archived(engine, phd, count=2, task_class="C", age=age)
+        archived(engine, owner("conduit"), task_class="C", age=age, duration_us=1000 * age + 1)
+    archived(engine, owner("native"), count=50, task_class="C", age=400)  # before every span
+    for task_class, who, failures, age in [
+        ("A", None, 0, 5),  # fell back, in both of A's windows
+        ("A", None, 0, 20),  # in A's cut window, not in its 10 s one
+        ("A", None, 0, 150),  # before A's cut
+        ("B", owner("runner"), 2, 0),
+        ("C", owner("runner-fallback"), 1, 100),
+        ("C", owner("runner-fallback"), 1, 250),  # before C's cut at the bridge level
+        ("Other", None, 0, 0),
+    ]:
+        failed_rows(engine, who, 1, failures=failures, task_class=task_class, age=age)
+
+
+@pytest.mark.parametrize("page", [2, 7, 1000])
+def test_one_read_of_several_classes_gives_each_its_own_window(engine, monkeypatch, page):
+    """The guard's and the scrape's one pass over the archive for all the classes asked
+    (``read_windows``): each window is the one its class's own read gives, cut on its
+    own (A by its new side, B by its old side, C at one level and not the other), over
+    its own span (A's 10 s, as after a promotion), across pages, with its own active
+    rows; on SQLite and MariaDB."""
+    engine = make_engine(engine.url.render_as_string(hide_password=False))
+    monkeypatch.setattr(guard, "PAGE_ROWS", page)
+    now = int(time.time())  # the server's clock, held for the reads to compare
+    monkeypatch.setattr(canary_sql, "server_time", lambda: sa.select(sa.literal(now)))
+    mixed(engine, now)
+    asked = [
+        ("A", NATIVE, 300),
+        ("B", NATIVE, 300),
+        ("C", NATIVE, 300),
+        ("C", BRIDGE, 300),
+        ("A", NATIVE, 10),
+        ("D", NATIVE, 300),  # nothing archived
+    ]
+    together = read_windows(engine, asked, 25)
+    assert together == [read_window(engine, *one, 25) for one in asked]
+    a, b, c_native, c_bridge, a_since, d = together
+    assert a.seconds < 300 and (a.new.runs, a.new.fallbacks) == (25 + 2, 2)
+    assert b.seconds < 300 and b.old.runs >= 4 * 25 and b.new.runs < 25
+    assert c_native.seconds == 300 and c_native.new.fallbacks == 20 + 2
+    assert c_bridge.seconds < 250 and c_bridge.old.implementations == ("phd", "runner-fallback")
+    assert c_bridge.new.runs >= 25 and c_bridge.new.p50 is not None
+    assert a_since.seconds == 10 and a_since.new.fallbacks == 1
+    assert d == Window("D", NATIVE, 300, SideStats(), SideStats())
+    assert read_windows(engine, [], 25) == []
+
+
 def test_a_temporary_failure_counts_when_it_happens_not_when_archived(db):
     """The old side's retries wait (Phorge's 300 s): its failures count while they wait,
     as the new side's fallbacks do, so an outage both sides share weighs on both."""
@@ -378,9 +388,10 @@ def test_an_old_side_with_few_runs_in_the_window_is_judged_by_its_history(db):
 def minutes_total(engine: sa.Engine, ledger: Ledger, now: int) -> int:
     """The archive rows of class C the ledger holds at ``now``."""
     with engine.connect() as conn:
-        return sum(
-            rows for _, counts in ledger.minutes(conn, "C", now) for rows, _ in counts.values()
-        )
+        minutes = ledger.minutes(conn, ["C"], now)["C"]
+    summed = sum(rows for counts in minutes.by_minute.values() for rows, _ in counts.values())
+    assert summed == sum(rows for rows, _ in minutes.total.values()), "the sum kept"
+    return summed
 
 
 def test_the_ledger_adds_each_row_once_and_forgets_what_left_its_span(db):
@@ -395,6 +406,55 @@ def test_the_ledger_adds_each_row_once_and_forgets_what_left_its_span(db):
     assert minutes_total(engine, ledger, now + SETTLE) == 7, "each row once"
     assert minutes_total(engine, ledger, now + 3600 - 20) == 4, "the first 3 left the span"
     assert minutes_total(engine, ledger, now + 3 * 3600) == 0, "unseen for longer: afresh"
+
+
+def test_the_ledger_brings_several_classes_up_to_date_at_once(db):
+    """A class joins the guard later (summed afresh) while another is caught up: each
+    row is summed once, to its class, and the kept sum is the minutes'."""
+    engine, _ = db
+    ledger, now = Ledger(span=3600), int(time.time())
+    archived(engine, owner("native"), count=3, age=100)
+    archived(engine, owner("native"), count=2, age=100, task_class="D")
+    with engine.connect() as conn:
+        assert ledger.minutes(conn, ["C"], now)["C"].total == {("native", 0): [3, 0]}
+    archived(engine, owner("runner"), count=4, failures=1, age=2, task_class="D")
+    archived(engine, owner("native"), count=1, age=2)
+    with engine.connect() as conn:
+        kept = ledger.minutes(conn, ["C", "D"], now + SETTLE)
+    assert kept["C"].total == {("native", 0): [4, 0]}
+    assert kept["D"].total == {("native", 0): [2, 0], ("runner", 0): [4, 4]}
+    assert minutes_total(engine, ledger, now + SETTLE) == 4
+
+
+@pytest.mark.parametrize("max_runs", [1, 9, 10, 19, 20, 10_000])
+def test_several_long_windows_are_each_cut_on_their_own(db, max_runs):
+    """``long_windows`` of several classes and starts at once: each as its own, cut at
+    the whole minute where its new side has ``max_runs`` runs, else the sum of its span
+    (the ledger's kept sum less the minutes before it), with its active rows."""
+    engine, _ = db
+    now = int(time.time())
+    for minutes_ago in range(10):
+        age = 60 * minutes_ago + 30
+        archived(engine, owner("native"), count=2, age=age)
+        archived(engine, owner("runner"), count=3, failures=1, age=age)
+        archived(engine, owner("native"), result=1, age=age, task_class="D")
+    fell_back_rows(engine, 2)
+    failed_rows(engine, owner("runner"), 1, task_class="D", age=400)
+    five = (now - 270) // 60 * 60  # the whole minutes of the last five batches
+    asked = [("C", NATIVE, now - 3600), ("D", NATIVE, now - 3600), ("C", NATIVE, five)]
+    ledger = Ledger(3600)
+    together = long_windows(engine, ledger, asked, now + SETTLE, max_runs)
+    assert together == [
+        long_windows(engine, Ledger(3600), [one], now + SETTLE, max_runs)[0] for one in asked
+    ]
+    assert together == long_windows(engine, ledger, asked, now + SETTLE, max_runs), "kept"
+    c, d, c_since = together
+    archived_new = c.new.runs - c.new.fallbacks
+    assert archived_new == (20 if max_runs > 20 else -(-max_runs // 2) * 2)
+    assert (c.seconds < 3600) == (max_runs <= 20)
+    assert c_since.new.runs - c_since.new.fallbacks == min(archived_new, 10)
+    assert d.new.permanent_failures == min(10, max_runs)
+    assert d.old.temporary_failures == (d.seconds >= 400), "its own active rows"
 
 
 def spread(engine: sa.Engine, label: str, runs: int, failed: int, hours: int) -> None:
@@ -469,7 +529,7 @@ def test_no_shared_class_is_one_read(db, monkeypatch):
     engine, settings = db
     store = CanaryStore(engine, None)
     store.set_weights({"C": {"native": 100}, "*": {"bridge": 0}})
-    monkeypatch.setattr(guard, "read_window", lambda *a: pytest.fail("read the archive"))
+    monkeypatch.setattr(guard, "read_windows", lambda *a: pytest.fail("read the archive"))
     monkeypatch.setattr(guard, "guard_lock", lambda *a: pytest.fail("took the lock"))
     assert guard_once(store, engine, settings, Suspicions(1)) == []
     assert guard_once(CanaryStore(engine, None), engine, settings, Suspicions(1)) == []
@@ -582,19 +642,20 @@ def failed_rows(
     count: int,
     failures: int = 1,
     task_class: str = "C",
+    age: int = 0,
 ) -> None:
     """``count`` active rows of ``task_class`` that failed ``failures`` times, the last
-    just now (0: a new side gave them back, which leaves a failure time and no count)."""
+    ``age`` s ago (0: a new side gave them back, which leaves a failure time and no count)."""
     now = int(time.time())
     rows = [
         {
-            "id": next(_ids),
+            "id": next(TASK_IDS),
             "taskClass": task_class,
             "leaseOwner": owner,
             "leaseExpires": now + 300 if owner else None,
             "failureCount": failures,
             "dataID": 1,
-            "failureTime": now,
+            "failureTime": now - age,
             "priority": 3000,
             "dateCreated": now,
             "dateModified": now,

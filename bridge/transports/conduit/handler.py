@@ -140,6 +140,8 @@ class ConduitProxyHandler(BatchHandler):
 
     implementation = CONDUIT
     availability: Availability  # always one: the transport is Conduit
+    # The PHP it runs is Phorge's on its web hosts, whose version this worker cannot see.
+    version = None
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ from bridge.handlers.availability import Availability
 from bridge.handlers.capabilities import RUNNER, TransportHandler
 from bridge.queue.model import DEFAULT_RETRY_WAIT
 from bridge.transports.php_runner.pool import RunnerPool
+from bridge.transports.php_runner.stamp import deploy_stamp
 from bridge.transports.task_run import READ_ONLY_YIELD, apply_result, execute_params
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,11 @@ class PhpRunnerHandler(TransportHandler):
         self.availability = Availability(self.probe, name=NAME, max_backoff=PROBE_BACKOFF_MAX)
         self._described: dict[str, dict[str, Any]] = {}
         self.kills = Kills()
+
+    @property
+    def version(self) -> str | None:
+        """The PHP code's deploy stamp (:func:`deploy_stamp`)."""
+        return deploy_stamp(self.pool.settings.reload_stamp, self.pool.settings.phorge_root)
 
     def probe(self) -> str | None:
         """The availability's probe: None once a process is booted (booting one if none is)."""
