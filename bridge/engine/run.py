@@ -39,7 +39,10 @@ from bridge.queue.model import MAX_NAME
 log = logging.getLogger(__name__)
 
 PHDS_SHARE = "canary: phd's share"  # the reason a row the weights give to phd goes back
-FAILED = (Outcome.FAILURE, Outcome.PERMANENT_FAILURE)  # what a new-side run falls back on
+LEASE_EXPIRED = "the lease expired while the handler ran"
+# What a new-side run falls back on: its failures, and a hand-back (its transport was down,
+# or failed it mid-run), so that the row does not go back to the side that failed it.
+FALLS_BACK = (Outcome.FAILURE, Outcome.PERMANENT_FAILURE, Outcome.HANDED_BACK)
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,7 @@ def prepare(
         # the row goes back at once, for a worker that can run it, not into a yield that
         # would hold it for 5 s and starve the fleet's pace (issue 31).
         back = HandlerResult(Outcome.HANDED_BACK, reason=f"held back: {availability.reason}")
+        back = fallback(choice.fallback_to, back)
         return PendingOutcome(lease, back, time.monotonic() + remaining, None, implementation)
     if task.data_error:
         failed = HandlerResult(Outcome.PERMANENT_FAILURE, reason=task.data_error)
@@ -272,13 +276,13 @@ def prepare(
     )
 
 
-def fallback(cleared: ClearedTask, result: HandlerResult) -> HandlerResult:
-    """A new-side run's failure, temporary or permanent, as the fallback written instead
-    (the row goes to the old side; nothing counted, nothing archived); any other result
-    as it is."""
-    if cleared.fallback_to is None or result.outcome not in FAILED:
+def fallback(fallback_to: str | None, result: HandlerResult) -> HandlerResult:
+    """A new-side run's failure or hand-back (``fallback_to``: the old side, None for
+    any other run), as the fallback written instead (the row goes to the old side;
+    nothing counted, nothing archived); any other result as it is."""
+    if fallback_to is None or result.outcome not in FALLS_BACK:
         return result
-    taker = f"{cleared.fallback_to} takes it"
+    taker = f"{fallback_to} takes it"
     reason = f"{result.reason}; {taker}" if result.reason else taker
     return replace(
         result, outcome=Outcome.FALLBACK, reason=reason, delay=None, followups=(), scheduled=0
@@ -304,12 +308,18 @@ def run_cleared(rt: Runtime, group: Sequence[ClearedTask]) -> list[Ended]:
     implementation = implementation_of(handler)
     ended: list[Ended] = []
     for cleared, result, watch in zip(group, results, watches, strict=True):
-        result = fallback(cleared, result)
+        if watch.lost and cleared.fallback_to is not None:
+            # A new-side run that outlived its lease falls back (while nobody took the row
+            # meanwhile: the write is fenced on the owner), else it would go back to the
+            # side that could not finish it; any other run's row waits for its expiry.
+            duration = result.duration_us
+            result = HandlerResult(Outcome.HANDED_BACK, reason=LEASE_EXPIRED, duration_us=duration)
+        result = fallback(cleared.fallback_to, result)
         for observer in observers():
             observer.handler_returned(cleared.ctx.task_class, share, result, implementation)
-        if watch.lost:
-            lost = "the lease expired while the handler ran"
-            ended.append(RunReport(Outcome.LEASE_LOST, lost, implementation=cleared.implementation))
+        if watch.lost and result.outcome is not Outcome.FALLBACK:
+            report = RunReport(Outcome.LEASE_LOST, LEASE_EXPIRED, implementation=implementation)
+            ended.append(report)
         else:
             ended.append(
                 PendingOutcome(

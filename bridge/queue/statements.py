@@ -354,15 +354,15 @@ def _waiting_to_retry() -> ColumnElement[bool]:
 # count tells a leased row from one that failed under the same owner and waits to retry.
 # A NULL ``failure_count`` leaves it out (operator and PHP-style callers).
 
-_FENCE = and_(
+_OWNED = and_(
     active.c.id == bindparam("task_id", type_=Integer),
     active.c.leaseOwner == bindparam("owner", type_=String),
     or_(
         bindparam("failure_count", type_=Integer).is_(None),
         active.c.failureCount == bindparam("failure_count", type_=Integer),
     ),
-    active.c.leaseExpires > db_now(),
 )
+_FENCE = and_(_OWNED, active.c.leaseExpires > db_now())
 
 HELD = select(*task_columns(active), db_now().label("server_time")).where(_FENCE)
 """The held row (the check before a run), without its data."""
@@ -426,12 +426,14 @@ HAND_BACK = (
 
 FALL_BACK = (
     update(active)
-    .where(_FENCE)
+    .where(_OWNED)
     .values(leaseOwner=None, leaseExpires=None, failureTime=db_now(), dateModified=db_now())
 )
 """A gray migration's fallback: the new side's run failed, so the row goes to the old side
 (``failureTime`` set makes it the old side's for good) and is due at once; failureCount
-unchanged, so the new side's failure never counts towards the permanent limit."""
+unchanged, so the new side's failure never counts towards the permanent limit. Fenced on
+the owner, not the expiry: a run that outlived its lease falls back too while its owner
+still holds the row (who leased it since changed the owner), and runs nothing itself."""
 
 YIELD_LEASE = (
     update(active)

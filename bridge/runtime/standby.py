@@ -97,7 +97,9 @@ class Standby(RunObserver):
         self._remote: bool | None = None
 
     def run_ended(self, item: Leased, report: RunReport) -> None:
-        if report.outcome is not Outcome.HANDED_BACK or item.task_class is None:
+        # A new-side run of a shared class falls back where it would be handed back.
+        given_back = report.outcome in (Outcome.HANDED_BACK, Outcome.FALLBACK)
+        if not given_back or item.task_class is None:
             return
         node = getattr(getattr(current_task, "request", None), "hostname", None)
         if not node or not self.remote_control():
@@ -107,7 +109,7 @@ class Standby(RunObserver):
         handler = rt.registry.handler_for(item.task_class)
         availability = availability_of(handler) if handler is not None else None
         if transport is None or availability is None or not availability.is_down:
-            return  # not a transport's hand-back (a canary's: phd's share)
+            return  # not a transport's (a canary's: phd's share, a new side's failure)
         queue = rt.settings.router.queue_for(item.task_class)
         with self._lock:
             if time.monotonic() < self._until.get((transport, queue), 0.0):

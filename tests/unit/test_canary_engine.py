@@ -6,8 +6,11 @@ back instead of counting, and every archive row names who ran it."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,7 +35,8 @@ from bridge.engine.context import FixedCanary, Runtime, open_runtime
 from bridge.engine.poll import poll_once
 from bridge.engine.run import PHDS_SHARE, RunReport, archive_owner
 from bridge.errors import ConfigError
-from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure
+from bridge.handlers.api import HandBack, Handler, PermanentFailure, TaskContext, TemporaryFailure
+from bridge.handlers.availability import Availability
 from bridge.handlers.capabilities import CONDUIT, RUNNER, BatchHandler, TransportHandler
 from bridge.handlers.outcome import HandlerResult
 from bridge.handlers.registry import Registry
@@ -579,3 +583,97 @@ def test_a_fixed_canary_is_what_a_runtime_built_by_hand_gets(tmp_path: Path):
     shared = canary_of({CLASS: {"bridge": 1}}, None)
     rt.canary = FixedCanary(shared)
     assert rt.canary.current().weight(CLASS, BRIDGE) == SCALE // 100
+
+
+# -- a new side that cannot finish: its hand-backs and lost leases fall back --------------
+
+
+def test_a_new_side_run_handed_back_falls_back_and_an_old_side_one_is_handed_back(
+    tmp_path: Path,
+):
+    """A hand-back is the new side failing the row (its transport broke mid-run): the row
+    falls back to phd, a failure for the guard, rather than going back to the new side."""
+    native = Native(how=HandBack)
+    rt = runtime(tmp_path, native)
+    set_weights(rt.queue.engine, {CLASS: {"bridge": 50}})
+    ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
+    ours = sorted(new_side(BRIDGE, 50, ids))[:2]
+    other = rt.queue.enqueue_many([NewTask(OTHER, {})])
+    native.failing = {*ours, *other}
+    reports = run_each(rt, lease_all(rt, ours), ours)
+    assert {r.outcome for r in reports.values()} == {Outcome.FALLBACK}
+    assert reports[ours[0]].reason == "the native handler broke; phd takes it"
+    [alone] = other
+    report = run_task(rt, Lease(alone, lease_all(rt, other), 0), task_class=OTHER)
+    assert report.outcome is Outcome.HANDED_BACK, "no canary names it: another worker's"
+    rows = active_rows(rt, [*ours, alone])
+    assert all(rows[i].failureTime is not None and rows[i].leaseOwner is None for i in ours)
+    assert rows[alone].failureTime is None and rows[alone].leaseOwner is None
+
+
+def test_a_new_side_whose_transport_is_down_here_falls_back_before_it_runs(tmp_path: Path):
+    """At the bridge level with the PHP path as the new side: a worker whose runner cannot
+    boot gives the bridge's rows of a shared class to phd, and runs none."""
+    runner = Runner()
+    runner.availability = Availability(lambda: "PHP cannot boot")
+    runner.availability.failure("PHP cannot boot")
+    rt = runtime(tmp_path, runner=runner)
+    set_weights(rt.queue.engine, {CLASS: {"bridge": 50, "native": 0}})
+    ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
+    ours = sorted(new_side(BRIDGE, 50, ids))[:3]
+    reports = run_each(rt, lease_all(rt, ours), ours)
+    assert {r.reason for r in reports.values()} == {"held back: PHP cannot boot; phd takes it"}
+    assert {r.outcome for r in reports.values()} == {Outcome.FALLBACK}
+    assert runner.ran == []
+
+
+def outlived(rt: Runtime, monkeypatch: pytest.MonkeyPatch, taken: set[int]) -> None:
+    """Each run outlives its lease: the keeper finds it lost, the row's expiry passes, and
+    the rows of ``taken`` are leased meanwhile by another owner."""
+
+    @contextmanager
+    def lost(lease: Lease, *_: Any) -> Iterator[Any]:
+        yield SimpleNamespace(lost=True, expires=time.monotonic() + 30)
+        with rt.queue.engine.begin() as conn:
+            conn.execute(update(active).where(active.c.id == lease.task_id).values(leaseExpires=1))
+            if lease.task_id in taken:
+                owner = f"phd:1:{int(time.time())}:web:1"
+                conn.execute(
+                    update(active).where(active.c.id == lease.task_id).values(leaseOwner=owner)
+                )
+
+    monkeypatch.setattr(rt.keeper, "watch", lost)
+
+
+def test_a_new_side_run_that_outlived_its_lease_falls_back_while_its_owner_holds_the_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    native = Native()
+    rt = runtime(tmp_path, native)
+    set_weights(rt.queue.engine, {CLASS: {"bridge": 50}})
+    ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
+    mine, taken = sorted(new_side(BRIDGE, 50, ids))[:2]
+    outlived(rt, monkeypatch, {taken})
+    reports = run_each(rt, lease_all(rt, [mine, taken]), [mine, taken])
+    assert (reports[mine].outcome, reports[mine].reason) == (
+        Outcome.FALLBACK,
+        "the lease expired while the handler ran; phd takes it",
+    )
+    assert reports[taken].outcome is Outcome.LEASE_LOST, "its new owner runs it"
+    rows = active_rows(rt, [mine, taken])
+    assert (rows[mine].leaseOwner, rows[mine].failureCount) == (None, 0)
+    assert rows[mine].failureTime is not None
+    assert rows[taken].leaseOwner.startswith("phd:") and rows[taken].failureTime is None
+
+
+def test_an_old_side_run_that_outlived_its_lease_leaves_its_row_to_the_expiry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    rt = runtime(tmp_path)
+    [task_id] = rt.queue.enqueue_many([NewTask(OTHER, {})])
+    owner = lease_all(rt, [task_id])
+    outlived(rt, monkeypatch, set())
+    report = run_task(rt, Lease(task_id, owner, 0), task_class=OTHER)
+    assert report.outcome is Outcome.LEASE_LOST
+    row = active_rows(rt, [task_id])[task_id]
+    assert (row.leaseOwner, row.leaseExpires, row.failureTime) == (owner, 1, None)
