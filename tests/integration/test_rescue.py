@@ -8,7 +8,7 @@ import logging
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import pytest
 from celery import Celery
@@ -23,7 +23,7 @@ from bridge.engine.context import FixedCanary, Runtime
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
 from bridge.queue import Lease, PhorgeQueue, make_engine
-from bridge.queue.model import NewTask
+from bridge.queue.model import Leased, NewTask
 from bridge.queue.run_locks import RunLocks
 from bridge.queue.schema import worker_activetask as active
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, send_messages
@@ -114,6 +114,19 @@ def test_a_dead_consumer_s_leases_are_handed_back_and_a_live_run_s_are_not(
         rescuer.stop()
 
 
+def looked_twice(
+    rescuer: Rescuer, fetched: Mapping[Lease, Leased], caplog: pytest.LogCaptureFixture
+) -> list[int]:
+    """The rescuer's look at once (a lock free for a moment is no death) and
+    ``FREE_FOR`` later, which hands back; the ids handed back, its warnings captured."""
+    try:
+        assert rescuer.look(fetched, now=0.0) == []
+        with caplog.at_level(logging.WARNING, logger="bridge.runtime.rescue"):
+            return rescuer.look(fetched, now=FREE_FOR)
+    finally:
+        rescuer.stop()
+
+
 def test_a_dead_consumer_s_new_side_runs_of_a_shared_class_fall_back(
     broker: str, queue: PhorgeQueue, rt: Runtime, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -142,14 +155,10 @@ def test_a_dead_consumer_s_new_side_runs_of_a_shared_class_fall_back(
 
     running = RunLocks(queue.engine)  # one new-side run goes on in another process
     running.hold([Lease(live.id, owner, live.failure_count)])
-    rescuer = Rescuer(app, queue.engine, lambda: rt)
     try:
-        assert rescuer.look(fetched, now=0.0) == []
-        with caplog.at_level(logging.WARNING, logger="bridge.runtime.rescue"):
-            handed = rescuer.look(fetched, now=FREE_FOR)
+        handed = looked_twice(Rescuer(app, queue.engine, lambda: rt), fetched, caplog)
     finally:
         running.close()
-        rescuer.stop()
     assert sorted(handed) == sorted(item.id for item in items if item.id != live.id)
     fell = ours - {live.id}
     assert f"{len(fell)} fallen back to the old side" in caplog.text
@@ -182,13 +191,7 @@ def test_without_a_runtime_to_tell_fallbacks_a_dead_consumer_s_leases_are_still_
 
     with app.connection_for_read() as conn:
         fetched = fetched_leases(conn.default_channel)
-    rescuer = Rescuer(app, queue.engine, broken)
-    try:
-        assert rescuer.look(fetched, now=0.0) == []
-        with caplog.at_level(logging.WARNING, logger="bridge.runtime.rescue"):
-            handed = rescuer.look(fetched, now=FREE_FOR)
-    finally:
-        rescuer.stop()
+    handed = looked_twice(Rescuer(app, queue.engine, broken), fetched, caplog)
     assert sorted(handed) == sorted(item.id for item in items)
     assert "handed back without fallbacks (no runtime to tell): no module named" in caplog.text
     with queue.engine.connect() as c:
