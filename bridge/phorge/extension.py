@@ -4,9 +4,9 @@ Phorge includes every ``.php`` file of ``src/extensions/`` at startup (and adds 
 classes to its class map, so ``bin/phd`` and ``bin/config`` find them), so installing is
 a copy of the extension's files: the Conduit methods and the task run they share with the
 PHP runner; the gray migration's taskmaster daemon (``PhorgeBridgeQueueDaemon``),
-its config options and the canary weights they share. "Current" means the installed bytes
-equal the ones shipped in this package; one digest stands for them all (``worker.version``
-computes the same in PHP).
+its config options and the canary weights they share (``bridge/canary/php/``). "Current"
+means the installed bytes equal the ones shipped in this package; one digest stands for
+them all (``worker.version`` computes the same in PHP).
 """
 
 from __future__ import annotations
@@ -38,16 +38,6 @@ EXTENSION_FILES = (
     CANARY_FILENAME,
 )
 RUNNER_FILENAME = "phorge-bridge-runner.php"
-# Where each PHP file lies in this package (package data): with the transport it serves,
-# the files shared by several (or by phd) one level up.
-SHIPPED_IN = {
-    EXTENSION_FILENAME: "bridge.transports.conduit",
-    DAEMON_FILENAME: "bridge.transports",
-    CONFIG_OPTIONS_FILENAME: "bridge.transports",
-    TASK_RUN_FILENAME: "bridge.transports",
-    CANARY_FILENAME: "bridge.transports",
-    RUNNER_FILENAME: "bridge.transports.php_runner",
-}
 EXTENSIONS_DIR = Path("src") / "extensions"
 VERSION_METHOD = "worker.version"
 
@@ -82,8 +72,14 @@ class ExtensionStatus:
 
 
 def shipped_file(name: str) -> Path:
-    """Where a PHP file shipped in this package lies (package data, on disk)."""
-    return Path(str(resources.files(SHIPPED_IN[name]).joinpath(name)))
+    """Where a PHP file shipped in this package lies (package data, on disk): beside the
+    Python it serves (a transport's, the canary's in ``canary/php/``), the task run both
+    transports share in ``transports/``; each name is the package's once."""
+    package = Path(str(resources.files("bridge")))
+    found = sorted(package.rglob(name))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{name}: {len(found)} copies shipped in {package}, not one")
+    return found[0]
 
 
 def shipped_source(name: str = EXTENSION_FILENAME) -> bytes:

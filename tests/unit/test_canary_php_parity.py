@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-import bridge
 from bridge.canary.store import CanaryView, decode_state, decode_weights, php_json, read_json
 from bridge.canary.weights import (
     BRIDGE,
@@ -36,8 +35,9 @@ from bridge.canary.weights import (
     bucket,
     parse_weights,
 )
+from bridge.phorge.extension import CANARY_FILENAME, shipped_file
 
-CANARY_PHP = Path(bridge.__file__).parent / "transports" / "PhorgeBridgeCanary.php"
+CANARY_PHP = shipped_file(CANARY_FILENAME)
 DRIVER = Path(__file__).parents[1] / "helpers" / "canary_parity.php"
 
 BUCKET_IDS = [*range(1, 10_001), 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1, 2**63 - 1]
