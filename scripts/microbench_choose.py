@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The side choice's CPU a task (``bridge.engine.run.choose``), as docs/benchmarks.md quotes
+"""The side choice's CPU a task (``bridge.engine.sides.choose``), as docs/benchmarks.md quotes
 it: without a canary, and with the task's class shared with phd at 99.99% (the bench's
 ``bridge-canary-*``). In process, one thread, no database: ``python3 scripts/microbench_choose.py``.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bridge.canary.weights import NO_CANARY, canary_of
-from bridge.engine.run import choose
+from bridge.engine.sides import choose
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
 

@@ -21,11 +21,11 @@ from bridge.engine.run import (
     Ended,
     PendingOutcome,
     RunReport,
-    choose,
     prepare,
     retry_wait,
     run_cleared,
 )
+from bridge.engine.sides import choose
 from bridge.engine.tracing import TaskTrace, traced
 from bridge.errors import DatabaseUnavailable, WritesRefused
 from bridge.handlers.api import Handler

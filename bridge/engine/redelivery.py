@@ -26,7 +26,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from bridge.engine.context import Runtime
-from bridge.engine.run import choose
+from bridge.engine.sides import choose
 from bridge.queue import Lease
 from bridge.queue.model import Leased
 from bridge.queue.run_locks import RunLocks

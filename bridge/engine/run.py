@@ -3,7 +3,8 @@
 Check the lease, apply the maximum retry count, make sure the lease covers the run
 (:func:`prepare`: a :class:`ClearedTask`), run (:func:`run_cleared`), and say how it
 ended: with an outcome to write under the lease (:class:`PendingOutcome`), or with
-nothing left to write (:class:`RunReport`, what callers are told). Writing is the batch's part
+nothing left to write (:class:`RunReport`, what callers are told). Which side of a gray
+migration runs it is ``bridge.engine.sides``'; writing is the batch's part
 (``bridge.engine.batch``); sending and receiving messages is Celery's
 (``bridge.runtime``), so this module knows nothing of either.
 """
@@ -15,34 +16,20 @@ import random
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from bridge.canary.weights import (
-    BRIDGE,
-    FALLBACK,
-    NATIVE,
-    PHD,
-    SCALE,
-    Canary,
-    labelled,
-    run_label,
-)
+from bridge.canary.weights import Canary, run_label
 from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
+from bridge.engine.sides import PHDS_SHARE, archive_owner, choose, fallback, implementation_label
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.capabilities import BatchHandler, availability_of, implementation_of
 from bridge.handlers.outcome import HandlerResult, clear, run_handler, run_handlers
-from bridge.handlers.registry import Registry
 from bridge.queue import Lease, Outcome, Task
-from bridge.queue.model import MAX_NAME
 
 log = logging.getLogger(__name__)
 
-PHDS_SHARE = "canary: phd's share"  # the reason a row the weights give to phd goes back
 LEASE_EXPIRED = "the lease expired while the handler ran"
-# What a new-side run falls back on: its failures, and a hand-back (its transport was down,
-# or failed it mid-run), so that the row does not go back to the side that failed it.
-FALLS_BACK = (Outcome.FAILURE, Outcome.PERMANENT_FAILURE, Outcome.HANDED_BACK)
 
 
 @dataclass(frozen=True)
@@ -96,80 +83,6 @@ class PendingOutcome:
 
 # A run that ended before its outcome was written: with one to write, or with none.
 Ended = PendingOutcome | RunReport
-
-
-def archive_owner(owner: str, implementation: str | None) -> str | None:
-    """``owner`` with the implementation after its prefix (``bridge:native:pid:epoch:host:
-    seq``), its host cut if the label would not fit in 64 characters; None (the owner
-    unlabelled) when there is no label, or no room for one even without the host."""
-    if implementation is None or ":" not in owner:
-        return None
-    archived = labelled(owner, implementation)
-    over = len(archived) - MAX_NAME
-    if over <= 0:
-        return archived
-    fields = archived.split(":")
-    if len(fields) < 6 or len(fields[-2]) < over:  # prefix:label:pid:epoch:host:seq
-        return None
-    fields[-2] = fields[-2][: len(fields[-2]) - over]
-    return ":".join(fields)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Which handler runs a task under the canary in force. ``fallback_to``: set for a
-    run of the new side of a class shared at some level (``phd`` at the bridge level, the
-    PHP transport at the native level), which takes the task when the run fails.
-    ``phds_share``: the row is no longer the bridge's (its class was rolled back, or its
-    weight lowered): it goes back, for phd."""
-
-    handler: Handler | None
-    fallback_to: str | None = None
-    phds_share: bool = False
-
-
-_UNHONOURED: set[str] = set()  # classes whose native weight this worker cannot honour
-
-
-def choose(
-    registry: Registry, canary: Canary, task_class: str, task_id: int, failure_time: int | None
-) -> Choice:
-    """The handler for a task (``failure_time`` as its row has it; None to predict a
-    message's grouping before its check), by the registry and the new side test at each
-    level (``Canary.takes``): at the bridge level, a row that is phd's is handed back; at
-    the native level, a natively served class runs natively only for the new side's share,
-    else on the PHP transport the class would have without its native handler."""
-    handler = registry.handler_for(task_class)
-    if handler is None or not canary.active:
-        return Choice(handler)  # no canary: not a cost a task pays
-    fallback_to = None
-    if canary.weight(task_class, BRIDGE) < SCALE:
-        if not canary.takes(BRIDGE, task_class, task_id, failure_time):
-            return Choice(None, phds_share=True)
-        fallback_to = PHD
-    if canary.weight(task_class, NATIVE) < SCALE and registry.native.get(task_class) is handler:
-        php = registry.php_handler_for(task_class)
-        if php is None:
-            if task_class not in _UNHONOURED:
-                _UNHONOURED.add(task_class)
-                log.error(
-                    "canary: %s has a native weight below 100 but no PHP path in this worker "
-                    "(no runner glob, no Conduit): it runs natively here",
-                    task_class,
-                )
-        elif canary.takes(NATIVE, task_class, task_id, failure_time):
-            fallback_to = fallback_to or implementation_of(php)
-        else:
-            handler = php
-    return Choice(handler, fallback_to)
-
-
-def implementation_label(handler: Handler, task: Task) -> str:
-    """Who runs ``task``, as its archive row will say: the handler's implementation, with
-    ``-fallback`` when the row fell back from a new side (``failureTime`` set, yet no
-    failure counted)."""
-    fell_back = task.failure_time is not None and task.failure_count == 0
-    return implementation_of(handler) + (FALLBACK if fell_back else "")
 
 
 def backoff(rt: Runtime, failure_count: int) -> int:
@@ -273,19 +186,6 @@ def prepare(
     budget = required or rt.settings.default_lease
     return ClearedTask(
         lease, task.label, handler, ctx, remaining, budget, implementation, choice.fallback_to
-    )
-
-
-def fallback(fallback_to: str | None, result: HandlerResult) -> HandlerResult:
-    """A new-side run's failure or hand-back (``fallback_to``: the old side, None for
-    any other run), as the fallback written instead (the row goes to the old side;
-    nothing counted, nothing archived); any other result as it is."""
-    if fallback_to is None or result.outcome not in FALLS_BACK:
-        return result
-    taker = f"{fallback_to} takes it"
-    reason = f"{result.reason}; {taker}" if result.reason else taker
-    return replace(
-        result, outcome=Outcome.FALLBACK, reason=reason, delay=None, followups=(), scheduled=0
     )
 
 

@@ -15,7 +15,7 @@ from bridge.canary.weights import BRIDGE, NATIVE, SCALE, bucket, canary_of
 from bridge.config import load_settings
 from bridge.engine.batch import run_task
 from bridge.engine.context import FixedCanary, Runtime
-from bridge.engine.run import archive_owner
+from bridge.engine.sides import archive_owner
 from bridge.handlers.api import Handler, TaskContext, TemporaryFailure
 from bridge.handlers.capabilities import RUNNER, TransportHandler
 from bridge.handlers.registry import Registry
