@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine
 
-from bridge.canary import sql
+from bridge.canary import decisions, sql
 from bridge.canary.ledger import Counts, Ledger, Minutes, add_counts
 from bridge.canary.significance import excess_failures_p, rate_change_p
 from bridge.canary.sql import MINUTE
@@ -45,9 +45,7 @@ from bridge.canary.weights import (
     NEW,
     PHD,
     Canary,
-    CanaryState,
     label_parts,
-    percent,
     side_of,
 )
 from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS, label_of
@@ -534,28 +532,12 @@ def note_versions(
     now: int,
     suspicions: Suspicions,
 ) -> Canary:
-    """Record the new side's version of each shared class and level in the state: a
-    change from the recorded one starts a fresh judgement (its runs from now, its
-    suspicions forgotten), as Flagger analyses a new revision afresh. Returns the
-    canary as it now stands."""
-    shared = {(task_class, level) for task_class, level, _ in canary.partial()}
-    changed = {
-        key: version
-        for key, version in versions.items()
-        if key in shared and canary.state.of(*key).version != version
-    }
-    if not changed:
-        return canary
-
-    def change(state: CanaryState) -> CanaryState:
-        for (task_class, level), version in changed.items():
-            weight = percent(canary.weight(task_class, level))
-            state = state.with_version(task_class, level, now, version, weight)
-        return state
-
-    store.change_state(change)
-    for (task_class, level), version in changed.items():
-        was = canary.state.of(task_class, level).version
+    """Record the new side's version of each shared class and level
+    (:func:`decisions.record_versions`): a change starts a fresh judgement (its runs
+    from now, its suspicions forgotten), as Flagger analyses a new revision afresh.
+    Returns the canary as it now stands."""
+    changed = decisions.record_versions(store, canary, versions, now)
+    for (task_class, level), (was, version) in changed.items():
         if was is not None:
             suspicions.forget(task_class, level)
             log.warning(
@@ -565,7 +547,7 @@ def note_versions(
                 version,
                 was,
             )
-    return store.read()
+    return store.read() if changed else canary
 
 
 def guard_lock_name(owner_prefix: str) -> str:
@@ -580,14 +562,7 @@ def guard_lock(engine: Engine, owner_prefix: str) -> AbstractContextManager[int 
 
 def _trip(store: CanaryStore, task_class: str, level: str, now: int, reason: str) -> bool:
     """Roll ``task_class`` back at ``level``; False when it already was (a CLI meanwhile)."""
-    tripped = False
-
-    def change(state: CanaryState) -> CanaryState:
-        nonlocal tripped
-        tripped = not state.of(task_class, level).rolled_back
-        return state.with_rollback(task_class, level, now, reason) if tripped else state
-
-    store.change_state(change)
+    tripped = decisions.roll_back(store, task_class, level, now, reason).done
     if tripped:
         log.error("canary rollback: %s (%s): %s", task_class, level, reason)
     return tripped
@@ -595,42 +570,18 @@ def _trip(store: CanaryStore, task_class: str, level: str, now: int, reason: str
 
 def _ramp(store: CanaryStore, canary: Canary, task_class: str, level: str, now: int) -> str | None:
     """The ramp's next step when the current one was held its dwell; None otherwise."""
-    ramp = canary.configured(task_class).ramp
+    weight = decisions.step_ramp(store, canary, task_class, level, now)
+    if weight is None:
+        return None
     seen = canary.state.of(task_class, level)
-    if ramp is None or ramp.level != level or seen.rolled_back or seen.paused:
-        return None
-    if seen.step_since is None:  # first sight of this step: its dwell starts now
-
-        def start(state: CanaryState) -> CanaryState:
-            current = state.of(task_class, level)
-            if current.step_since is not None or current.rolled_back:
-                return state
-            started = replace(current, step_since=now)
-            return replace(state, levels={**state.levels, (task_class, level): started})
-
-        store.change_state(start)
-        return None
-    step = seen.step + 1
-    if step >= len(ramp.steps) or now - seen.step_since < ramp.dwell:
-        return None
-    weight = percent(ramp.steps[step])
-    stepped = False
-
-    def advance(state: CanaryState) -> CanaryState:
-        nonlocal stepped
-        current = state.of(task_class, level)
-        stepped = current == seen  # unchanged since read: no CLI, no other guard
-        return state.with_step(task_class, level, now, step, weight) if stepped else state
-
-    store.change_state(advance)
-    if not stepped:
-        return None
+    ramp = canary.configured(task_class).ramp
+    assert ramp is not None and seen.step_since is not None  # as step_ramp found them
     log.info(
         "canary ramp: %s (%s) steps to %g%% (step %d of %d) after %d s without a rollback",
         task_class,
         level,
         weight,
-        step + 1,
+        seen.step + 2,
         len(ramp.steps),
         now - seen.step_since,
     )

@@ -18,7 +18,7 @@ from typing import Any
 import click
 from sqlalchemy import Engine
 
-from bridge.canary import sql
+from bridge.canary import decisions, sql
 from bridge.canary.guard import SideStats, Window, read_windows, summed_window
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import (
@@ -29,7 +29,6 @@ from bridge.canary.weights import (
     SCALE,
     STATE_OPTION,
     Canary,
-    CanaryState,
     Event,
     parse_weights,
     percent,
@@ -258,22 +257,16 @@ def rollback(task_class: str, level: str | None, reason: str) -> None:
     ctx.known(current, task_class)
     level = level or default_level(current, task_class)
     now = ctx.now()
-    was = current.state.of(task_class, level)
-
-    def change(state: CanaryState) -> CanaryState:
-        if state.of(task_class, level).rolled_back:
-            return state
-        return state.with_rollback(task_class, level, now, reason)
-
-    after = ctx.store.change_state(change)
-    if was.rolled_back:
+    decided = decisions.roll_back(ctx.store, task_class, level, now, reason)
+    if not decided.done:
+        after = Canary(current.weights, decided.state)
         click.echo(
             f"{task_class} ({level}) was already rolled back "
-            f"{rollback_text(current, task_class, level, now)}"
+            f"{rollback_text(after, task_class, level, now)}"
         )
         return
     before = pct(current.weight(task_class, level))
-    effective = pct(Canary(current.weights, after).weight(task_class, level))
+    effective = pct(Canary(current.weights, decided.state).weight(task_class, level))
     click.echo(f"rolled back {task_class} ({level}): new side at {effective} (was {before})")
 
 
@@ -288,35 +281,17 @@ def promote(task_class: str, level: str | None, reason: str) -> None:
     current = ctx.read()
     ctx.known(current, task_class)
     level = level or default_level(current, task_class)
-    now = ctx.now()
     ramp = current.configured(task_class).ramp
-    if ramp is not None and ramp.level != level:
-        ramp = None
-
-    what = ""
-
-    def change(state: CanaryState) -> CanaryState:
-        nonlocal what
-        mine = state.of(task_class, level)
-        if mine.rolled_back:
-            what = "rollback cleared"
-            cleared = Canary(current.weights, state.with_promotion(task_class, level, now, 0))
-            after = percent(cleared.weight(task_class, level))
-            return state.with_promotion(task_class, level, now, after, reason)
-        if ramp is not None and mine.step + 1 < len(ramp.steps):
-            what = "next ramp step"
-            step = mine.step + 1
-            after = percent(ramp.steps[step])
-            return state.with_step(task_class, level, now, step, after, reason, event="promote")
-        what = ""
-        return state
-
-    promoted = ctx.store.change_state(change)
+    what, promoted = decisions.promote(ctx.store, current, task_class, level, ctx.now(), reason)
     effective = pct(Canary(current.weights, promoted).weight(task_class, level))
     if not what:
         raise click.ClickException(
             f"nothing to promote: {task_class} ({level}) is not rolled back"
-            + (" and its ramp is at its last step" if ramp is not None else " and has no ramp")
+            + (
+                " and its ramp is at its last step"
+                if ramp is not None and ramp.level == level
+                else " and has no ramp"
+            )
             + f"; the new side runs {effective} of it"
         )
     click.echo(f"promoted {task_class} ({level}): {what}, new side at {effective}")
@@ -377,14 +352,9 @@ def hold_ramp(task_class: str, level: str | None, paused: bool) -> None:
             f"{task_class} ({level}): its ramp is {'already' if paused else 'not'} paused"
         )
     now = ctx.now()
-    weight = percent(current.weight(task_class, level))
-
-    def change(state: CanaryState) -> CanaryState:
-        if state.of(task_class, level).paused == paused:
-            return state
-        return state.with_pause(task_class, level, now, paused, weight, f"{verb}d by an operator")
-
-    after = Canary(current.weights, ctx.store.change_state(change))
+    reason = f"{verb}d by an operator"
+    decided = decisions.hold_ramp(ctx.store, current, task_class, level, now, paused, reason)
+    after = Canary(current.weights, decided.state)
     click.echo(
         f"{verb}d the ramp of {task_class} ({level}): {ramp_text(after, task_class, level, now)}"
     )
