@@ -16,7 +16,7 @@ from bridge.engine.batch import Batch, run_task
 from bridge.engine.context import Runtime, open_runtime
 from bridge.engine.observers import RunObserver, observe
 from bridge.engine.poll import poll_once
-from bridge.engine.run import RunReport
+from bridge.engine.reports import RunReport
 
 __all__ = [
     "Batch",

@@ -16,15 +16,8 @@ from dataclasses import dataclass
 
 from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
-from bridge.engine.run import (
-    ClearedTask,
-    Ended,
-    PendingOutcome,
-    RunReport,
-    prepare,
-    retry_wait,
-    run_cleared,
-)
+from bridge.engine.reports import ClearedTask, Ended, PendingOutcome, RunReport
+from bridge.engine.run import prepare, retry_wait, run_cleared
 from bridge.engine.sides import choose
 from bridge.engine.tracing import TaskTrace, traced
 from bridge.errors import DatabaseUnavailable, WritesRefused

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bridge.engine.run import RunReport
+    from bridge.engine.reports import RunReport
     from bridge.handlers.outcome import HandlerResult
     from bridge.queue import Lease
     from bridge.queue.model import Leased

@@ -20,7 +20,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from bridge.canary.weights import FALLBACK
 from bridge.engine.observers import RunObserver, observe
-from bridge.engine.run import RunReport
+from bridge.engine.reports import RunReport
 from bridge.handlers.outcome import HandlerResult
 from bridge.queue.model import Leased
 

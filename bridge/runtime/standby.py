@@ -25,7 +25,7 @@ from celery.worker.control import control_command
 
 from bridge.assembly import runtime
 from bridge.engine.observers import RunObserver, observe
-from bridge.engine.run import RunReport
+from bridge.engine.reports import RunReport
 from bridge.engine.standby import MIN_STANDBY, standby_seconds
 from bridge.handlers.capabilities import availability_of
 from bridge.queue import Outcome

@@ -25,7 +25,7 @@ from celery.signals import task_postrun, task_prerun
 from bridge.assembly import runtime
 from bridge.engine.batch import Batch
 from bridge.engine.redelivery import hand_back_redelivered
-from bridge.engine.run import RunReport
+from bridge.engine.reports import RunReport
 from bridge.engine.sides import PHDS_SHARE
 from bridge.engine.tracing import (
     TRACEPARENT_HEADER,

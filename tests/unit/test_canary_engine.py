@@ -33,7 +33,7 @@ from bridge.config import load_settings
 from bridge.engine.batch import Batch, run_task
 from bridge.engine.context import FixedCanary, Runtime, open_runtime
 from bridge.engine.poll import poll_once
-from bridge.engine.run import RunReport
+from bridge.engine.reports import RunReport
 from bridge.engine.sides import PHDS_SHARE, archive_owner
 from bridge.errors import ConfigError
 from bridge.handlers.api import HandBack, Handler, PermanentFailure, TaskContext, TemporaryFailure

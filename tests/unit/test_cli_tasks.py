@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 
 from bridge.cli import watch
 from bridge.cli.main import main
-from bridge.engine.run import RunReport
+from bridge.engine.reports import RunReport
 from bridge.engine.tracing import TaskLogFilter, TaskTrace, new_traceparent, traced
 from bridge.errors import TaskFailed
 from bridge.queue import NewTask, Outcome, PhorgeQueue, TaskFilter

@@ -22,7 +22,7 @@ from bridge.engine import batch, context, observers, poll, run
 from bridge.engine.batch import Batch, run_task
 from bridge.engine.context import Runtime
 from bridge.engine.observers import RunObserver, observe
-from bridge.engine.run import RunReport
+from bridge.engine.reports import RunReport
 from bridge.handlers.api import TaskContext
 from bridge.handlers.registry import Registry
 from bridge.queue import Lease, Outcome, PhorgeQueue

@@ -17,7 +17,7 @@ from flower.command import apply_options
 from flower.options import options
 from flower.views.tasks import visible_task_columns
 
-from bridge.engine.run import RunReport
+from bridge.engine.reports import RunReport
 from bridge.queue import Outcome
 from bridge.queue.model import Leased
 from bridge.runtime.dispatch import EXECUTE_BATCH, EXECUTE_TASK, Sent, ids_repr, search_term
