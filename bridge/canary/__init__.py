@@ -3,6 +3,5 @@
 Two levels share one mechanism: ``bridge`` (Phorge's taskmasters, or the shipped
 ``PhorgeBridgeQueueDaemon``, against the bridge) and ``native`` (the PHP runner or
 Conduit against a native handler). The weights and the rollback state live in Phorge's
-config table, so PHP and Python read the same values (docs/operations.md, "Gray
-migration").
+config table, so PHP and Python read the same values (docs/gray-migration.md).
 """

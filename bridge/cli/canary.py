@@ -178,7 +178,7 @@ def table(rows: list[list[str]]) -> list[str]:
 @click.group()
 def canary() -> None:
     """Gray migration: the weights that send a share of a class to the new side, its
-    rollbacks and the figures of both sides (docs/operations.md, "Gray migration").
+    rollbacks and the figures of both sides (docs/gray-migration.md).
 
     The weights are Phorge's config option phorge-bridge.canary, set with
     ./bin/config set --database phorge-bridge.canary '<json>'.

@@ -463,7 +463,7 @@ ACCESS_DENIED = (1044, 1142)
 
 def unreadable(engine: Engine, database: str, exc: Exception) -> str:
     """Why the daemon log could not be read, in one line: for a refusal, the grant to add
-    (the one docs/operations.md recommends), to the account the server matched."""
+    (the one docs/operating.md recommends), to the account the server matched."""
     cause = driver_error(exc)
     if not cause.args or cause.args[0] not in ACCESS_DENIED:
         return f"Phorge's daemon log is not readable: {first_line(cause)}"
@@ -529,7 +529,7 @@ def check_taskmasters(doctor: Doctor) -> Check:
             f"{counted.live} running. They split the work with the bridge, and retry "
             "Python-only classes every 5 minutes forever: set phd.taskmasters to 0 and "
             "restart phd, running PhorgeBridgeQueueDaemon's unit for a gray migration "
-            f"(docs/operations.md){counted.ignored}",
+            f"(docs/gray-migration.md){counted.ignored}",
         )
     return Check(name, "ok", f"none running{counted.ignored}")
 
@@ -581,7 +581,7 @@ def check_old_side(doctor: Doctor) -> Check:
         return Check(
             name, "ok", f"{running} ({counted.standalone} under its unit){counted.ignored}"
         )
-    unit = f"systemctl enable --now {UNIT}@1 (docs/operations.md, Gray migration)"
+    unit = f"systemctl enable --now {UNIT}@1 (docs/gray-migration.md)"
     if counted.live:
         return Check(
             name,

@@ -1,6 +1,6 @@
 """The Phorge queue's depth, age and pace per Celery queue, read at each scrape.
 
-What an autoscaler needs (docs/operations.md, "Scaling by queue"): the served tasks due
+What an autoscaler needs (docs/scaling.md, "Autoscaling"): the served tasks due
 and dispatched per queue, the oldest of each, and each queue's pace. Under a gray
 migration these count only the share the bridge takes; phd's share is served per class
 apart, so that a share nobody takes is seen too.

@@ -165,7 +165,7 @@ SMALL_CLASS_ROWS = 5000
 
 def _force_index(query: Select[Any], index: str) -> Select[Any]:
     """``query`` reading ``worker_activetask`` through ``index`` on MariaDB and MySQL:
-    their optimizers flip plans with the LIMIT (docs/architecture.md)."""
+    their optimizers flip plans with the LIMIT (docs/internals-dispatch.md)."""
     hint = f"FORCE INDEX ({index})"
     return query.with_hint(active, hint, "mysql").with_hint(active, hint, "mariadb")
 

@@ -25,7 +25,7 @@ from bridge.queue.schema import worker_activetask as active
 WAIT = 120.0
 DISPATCH_LEASE = 5  # leases sent to a worker that went away come back this soon
 SURVEY = 16  # the poller asks the workers what they serve every 15 s (1 s to answer)
-LIVENESS_TIMEOUT = 30  # `phorge-bridge health --max-age` as docs/operations.md sets it
+LIVENESS_TIMEOUT = 30  # `phorge-bridge health --max-age` as docs/scaling.md sets it
 
 
 def due_gauge(port: int, queue: str) -> float | None:

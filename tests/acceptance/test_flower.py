@@ -1,4 +1,4 @@
-"""Flower started as docs/operations.md says, over real workers and beat: it shows Phorge's
+"""Flower started as docs/monitoring.md says, over real workers and beat: it shows Phorge's
 tasks and only them, finds each by its id alone, a yield leads to its next run, and its
 counts are Phorge's: a temporary failure is Retried, not Failed, and a failure's
 traceback is the handler's.
@@ -34,7 +34,7 @@ COUNTS = {"succeeded": "task-succeeded", "failed": "task-failed", "retried": "ta
 
 class FlowerBridge(Bridge):
     def flower(self) -> CeleryProcess:
-        """``celery -A bridge flower --conf=compose/flowerconfig.py``, the operations guide's, on a
+        """``celery -A bridge flower --conf=compose/flowerconfig.py``, docs/monitoring.md's, on a
         port of the system's choosing."""
         return self._start(
             "flower", ["flower", f"--conf={FLOWER_CONFIG}", "--address=127.0.0.1", "--port=0"]

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a real prefork worker started as docs/operations.md says (no
+"""Prometheus metrics of a real prefork worker started as docs/monitoring.md says (no
 PROMETHEUS_MULTIPROC_DIR): outcomes summed over children, poll and queue gauges."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def followup(scenario_suffix: str, parent: str, n: int, **options) -> dict:
 
 @pytest.fixture(
     scope="module",
-    # The threads pool (docs/operations.md recommends it for work that waits) once.
+    # The threads pool (docs/scaling.md recommends it for work that waits) once.
     params=[("rabbitmq", "prefork"), ("redis", "prefork"), ("rabbitmq", "threads")],
     ids="-".join,
 )

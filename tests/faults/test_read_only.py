@@ -1,7 +1,7 @@
 """A primary that refuses writes under load (a failover, ``SET GLOBAL read_only``), and
 connections killed mid-transaction: no task runs twice, none is lost.
 
-The bridge connects as the account docs/operations.md recommends (SELECT, INSERT,
+The bridge connects as the account docs/operating.md recommends (SELECT, INSERT,
 UPDATE, DELETE), which ``read_only`` binds; the suite's own connection (SUPER) turns it
 on and off and kills connections. Runs are counted from the handlers' own records.
 """

@@ -11,7 +11,7 @@ long one, the last ``history`` seconds, cut where the new side has
 minutes, and its ``SETTLE`` s, are not simulated).
 A failure counts when it happens, as the guard counts the active rows' failures.
 
-Run as a script for the table docs/operations.md quotes::
+Run as a script for the table docs/canary-guard.md quotes::
 
     python3 tests/helpers/guard_days.py [DAYS]
 """

@@ -218,7 +218,7 @@ def test_taskmasters_count_only_with_a_live_heartbeat_as_phorges_console(phorge,
 @pytest.fixture
 def worker_only_account(phorge, doctor, mysql_server, monkeypatch) -> Iterator[str]:
     """BRIDGE_DATABASE_URL on an account granted the worker database only: the account
-    docs/operations.md, "Before the cutover", recommends, less the daemon_log grant."""
+    docs/operating.md, "Before the cutover", recommends, less the daemon_log grant."""
     name = f"doc_{secrets.token_hex(4)}"
     with mysql_server.begin() as conn:
         conn.exec_driver_sql(f"CREATE USER '{name}'@'127.0.0.1' IDENTIFIED BY 'rw'")
@@ -375,9 +375,7 @@ def test_a_share_for_phd_needs_a_live_queue_daemon_under_its_unit(phorge, doctor
         {"*": {"bridge": 0}, "PhabricatorSearchWorker": {"bridge": 100}, mail: {"bridge": 25}}
     )
     share = f"{mail} 75%, every class not named"
-    unit = (
-        "systemctl enable --now phorge-bridge-queue-daemon@1 (docs/operations.md, Gray migration)"
-    )
+    unit = "systemctl enable --now phorge-bridge-queue-daemon@1 (docs/gray-migration.md)"
     _, checks = doctor(CANARY_DATABASE=phorge.url.database)
     assert (checks["old side"]["status"], checks["old side"]["detail"]) == (
         "fail",

@@ -1,6 +1,6 @@
 """A database that refuses writes, on MariaDB: nothing starts, nothing runs twice.
 
-The runtime connects as the account docs/operations.md recommends (SELECT, INSERT,
+The runtime connects as the account docs/operating.md recommends (SELECT, INSERT,
 UPDATE, DELETE on the queue's database), which ``read_only`` binds, while the test's
 own connection (SUPER) turns it on and off. Faults the server cannot make on cue (a
 full table, a deadlock at one statement, a connection lost just after its COMMIT) are

@@ -3,7 +3,7 @@
 Real Maniphest work (``maniphest.edit`` inside Phorge, see ``tests/helpers/gray_phorge.py``),
 the shipped ``PhorgeBridgeQueueDaemon`` under ``bin/phd debug`` and a bridge (``celery
 worker`` and ``celery beat``, RabbitMQ) on the install's own worker database, the
-weights set with ``bin/config set --database`` as docs/operations.md ("Gray migration")
+weights set with ``bin/config set --database`` as docs/gray-migration.md
 tells an operator to:
 
 1. phd and the bridge share the transaction publisher at 50%: each task runs once, on the

@@ -10,7 +10,7 @@ leases neither side steals, archives, and the operator actions.
 
 PHORGE_ROOT must be a Phorge checkout (arcanist beside it) whose ``mysql.*`` settings
 point at a MariaDB the bridge can reach, with ``bin/storage upgrade`` done; see
-docs/operations.md. The bridge connects with Phorge's own ``mysql.*`` settings to the
+docs/operating.md. The bridge connects with Phorge's own ``mysql.*`` settings to the
 ``{namespace}_worker`` database. Rows are kept apart from anything else in that queue by
 task classes unique to each test (``BridgeInterop<hex>``) and by task ids; the tests
 cancel the active rows they leave behind. No PHP daemon may run on this install.

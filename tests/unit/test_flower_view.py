@@ -51,7 +51,7 @@ def test_compose_and_the_operations_guide_start_flower_with_the_shipped_config()
     ]
     [conf] = [arg.split("=", 1)[1] for arg in shlex.split(flower["command"]) if "--conf=" in arg]
     assert f"./{CONFIG.name}:{conf}:ro" in flower["volumes"]
-    guide = (ROOT / "docs" / "operations.md").read_text()
+    guide = (ROOT / "docs" / "monitoring.md").read_text()
     assert "celery -A bridge flower --conf=compose/flowerconfig.py" in guide
 
 

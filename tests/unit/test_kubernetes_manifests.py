@@ -1,5 +1,5 @@
 """deploy/kubernetes/: valid Kubernetes and KEDA objects that keep the promises
-docs/operations.md ("Autoscaling") makes of them.
+docs/scaling.md ("Autoscaling") makes of them.
 
 No cluster runs here, so the manifests are checked as data, as ``kubectl apply -k`` would
 send them (each overlay's resources, its base included). Every built-in kind is
@@ -673,7 +673,7 @@ def test_the_queries_read_one_workers_figures_and_reach_the_maximum(tmp_path: Pa
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    # The worked example (docs/operations.md, "Autoscaling"): no search worker yet and
+    # The worked example (docs/scaling.md, "Autoscaling"): no search worker yet and
     # 10,000 due rows; replicas = ceil(value / threshold), the larger trigger's, capped.
     search = of_kind(m["keda"], "ScaledObject")["phorge-bridge-search"]
     asked = max(math.ceil(expected(q) / float(t)) for q, t in keda_triggers(search).items())

@@ -80,7 +80,7 @@ final class PhorgeBridgeCanaryConfigOptions
             "failed stays with the old side.\n\n".
             "Set it with `bin/config set --database`: running daemons and ".
             "the bridge read it from the database within seconds. See ".
-            "phorge-bridge's docs/operations.md, \"Gray migration\"."))
+            "phorge-bridge's docs/gray-migration.md."))
         ->addExample(
           id(new PhutilJSON())->encodeFormatted($example),
           pht('Mail to 5%% of the bridge, search wholly, the rest on phd')),
