@@ -45,6 +45,19 @@ from bridge.runtime.dispatch import EXECUTE_TASK
 TASKS = 120
 SECONDS = 0.4  # long enough that a kill finds the victim mid-task
 DEFAULT_LEASE = Settings.__dataclass_fields__["dispatch_lease"].metadata["setting"].default
+# On Redis, kombu pops a message (BRPOP) before it records it in its ``unacked`` hash: a
+# worker killed (or frozen) between the two loses the message, beat's rescue cannot see
+# it, and its row comes back only when its dispatch lease ends (docs/faults.md). Seen in
+# about 1 run of 10 of the prefork kill here. The Redis runs take 90 s for that lease, so
+# such a loss ends within their wait, and a rescue that did not work still fails them:
+# the killed tasks' re-run must come within RERUN_WITHIN, well before the lease.
+REDIS_LEASE = 90
+
+
+def dispatch_lease(broker: str) -> int:
+    return REDIS_LEASE if broker == "redis" else int(DEFAULT_LEASE)
+
+
 RERUN_WITHIN = 60.0  # the target is 30 s; a loaded machine gets a wide margin
 WAIT = 120.0
 
@@ -60,7 +73,9 @@ def rate(runs: list[dict[str, Any]], start: float, end: float) -> float:
     return sum(start <= r["time"] < end for r in runs) / max(end - start, 1e-6)
 
 
-def report(run, victim: str, survivor: str, killed: list[dict[str, Any]], at: float) -> None:
+def report(
+    run, victim: str, survivor: str, killed: list[dict[str, Any]], at: float, lease: int
+) -> None:
     """Print the re-run delays and the survivor's rates; assert the delays' margin."""
     bridge = run.bridge
     runs = bridge.fault_runs()
@@ -83,7 +98,7 @@ def report(run, victim: str, survivor: str, killed: list[dict[str, Any]], at: fl
     before, after = rate(theirs, first, at), rate(theirs, at, float(max(ends)))
     print(
         f"\n[fault] {victim} killed: re-run after {', '.join(f'{d:.1f}' for d in delays)} s "
-        f"(dispatch lease {DEFAULT_LEASE} s); survivor {before:.1f}/s before, "
+        f"(dispatch lease {lease} s); survivor {before:.1f}/s before, "
         f"{after:.1f}/s after ({after / before:.2f}x)"
     )
     assert max(delays) <= RERUN_WITHIN, delays
@@ -111,7 +126,8 @@ def test_a_killed_worker_s_tasks_run_again_within_seconds(
     fault_database, make_fault_bridge, fault_run, request, pool, broker
 ) -> None:
     url = request.getfixturevalue(f"fault_{broker}").url
-    bridge = make_fault_bridge(fault_database, url, DISPATCH_LEASE=DEFAULT_LEASE)
+    lease = dispatch_lease(broker)
+    bridge = make_fault_bridge(fault_database, url, DISPATCH_LEASE=str(lease))
     victim, _ = fleet(bridge, ("-P", "threads") if pool == "threads" else ())
     run = fault_run(bridge)
     run.queue(TASKS, duration=SECONDS)
@@ -121,7 +137,7 @@ def test_a_killed_worker_s_tasks_run_again_within_seconds(
     victim.kill()
     run.over()
     run.check()
-    report(run, f"{pool} worker on {broker}", "survivor", killed, at)
+    report(run, f"{pool} worker on {broker}", "survivor", killed, at, lease)
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq", "redis"])
@@ -134,7 +150,8 @@ def test_a_lost_host_s_tasks_run_again_within_seconds(
     ``wait_timeout`` (10 s); on Redis, beat's rescue hands the leases back 4 s after
     their locks were freed (``bridge.runtime.rescue``)."""
     url = request.getfixturevalue(f"fault_{broker}").url
-    bridge = make_fault_bridge(fault_database, url, DISPATCH_LEASE=DEFAULT_LEASE)
+    lease = dispatch_lease(broker)
+    bridge = make_fault_bridge(fault_database, url, DISPATCH_LEASE=str(lease))
     victim, _ = fleet(bridge)
     run = fault_run(bridge)
     run.queue(TASKS, duration=SECONDS)
@@ -145,7 +162,7 @@ def test_a_lost_host_s_tasks_run_again_within_seconds(
     try:
         run.over()
         run.check()
-        report(run, f"host lost on {broker}", "survivor", killed, at)
+        report(run, f"host lost on {broker}", "survivor", killed, at, lease)
     finally:
         victim.kill()
 
@@ -174,7 +191,8 @@ def test_a_killed_worker_s_new_side_runs_of_a_shared_class_fall_back_on_redis(
     run again on the bridge, the guard's window counts each as a new-side fallback, phd's
     share is untouched and nothing is archived as failed. Then the class moves wholly to
     the bridge, and every task runs, once a lease."""
-    bridge = make_fault_bridge(fault_database, fault_redis.url, DISPATCH_LEASE=DEFAULT_LEASE)
+    lease = dispatch_lease("redis")
+    bridge = make_fault_bridge(fault_database, fault_redis.url, DISPATCH_LEASE=str(lease))
     set_weights(bridge.engine, {"FaultTask": {"bridge": 50}})
     victim, _ = fleet(bridge)
     [beat] = [process for process in bridge.processes if process.name == "beat"]
@@ -236,7 +254,7 @@ def test_a_killed_prefork_child_s_task_runs_again_within_seconds(
     run.over()
     run.check()
     assert bridge.count(archive, archive.c.id.in_(run.ids)) == TASKS
-    report(run, "prefork child", "survivor", [dead], at)
+    report(run, "prefork child", "survivor", [dead], at, int(DEFAULT_LEASE))
 
 
 def test_a_copy_leaves_a_live_run_alone_and_hands_its_lease_back_once_it_is_gone(
