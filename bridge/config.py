@@ -638,6 +638,14 @@ class Settings:
         "how far (0..1 of the old side's) the new side's follow-ups per successful run may "
         "differ from the old side's before a significant difference counts",
     )
+    canary_max_yielding: int = setting(
+        "BRIDGE_CANARY_MAX_YIELDING",
+        "3600",
+        _positive_int,
+        "seconds since its creation after which a task that yields counts as a yield loop: "
+        "a new-side run's yield then falls back, and a row of either side still yielding "
+        "counts as its side's failure",
+    )
 
     router: Router = field(init=False)
     conduit: ConduitSettings | None = field(init=False)

@@ -82,6 +82,8 @@ class SideStats:
     # runs (phd's owners carry no count: its successes are not among them).
     followups: int = 0
     labelled_successes: int = 0
+    # Its rows still yielding past the class's ``max_yielding``: a failed run each.
+    yield_loops: int = 0
 
     @property
     def failures(self) -> int:
@@ -416,6 +418,7 @@ class Bounds:
     max_slowdown: float = 3.0
     slowdown_floor: float = 1.0  # a PHP runner's first, cold runs are 0.1-0.6 s slower
     max_followup_change: float = 0.5
+    max_yielding: int = 3600
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Bounds:
@@ -428,6 +431,7 @@ class Bounds:
             max_slowdown=settings.canary_max_slowdown,
             slowdown_floor=settings.canary_slowdown_floor,
             max_followup_change=settings.canary_max_followup_change,
+            max_yielding=settings.canary_max_yielding,
         )
 
 
@@ -456,6 +460,11 @@ def verdict(window: Window, bounds: Bounds) -> str | None:
         f"new side success {_percent(new_ratio)} over {new.runs} runs, old side "
         f"{_percent(old_ratio)} over {old.runs} runs, window {window.seconds} s"
     )
+    if new.yield_loops or old.yield_loops:
+        reason += (
+            f", rows in a yield loop {new.yield_loops} on the new side and "
+            f"{old.yield_loops} on the old"
+        )
     if new.failures >= bounds.min_failures and old_ratio - new_ratio > bounds.max_drop:
         p = excess_failures_p(new.failures, new.runs, old.failures, old.runs)
         if p < bounds.significance:
@@ -625,6 +634,41 @@ def judged_windows(
     return windows
 
 
+def yield_loops(
+    engine: Engine, canary: Canary, judged: Sequence[tuple[str, str, int]], now: int
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """For each ``(task_class, level, max_yielding)`` of ``judged``, its rows yielding
+    still ``max_yielding`` s after their creation (``now``: the database's clock), on
+    the new side and on the old (``Canary.takes``: a row that fell back is the old
+    side's). Each is a failure of its side while it yields: the new side's loop leaves
+    no other evidence until its next run falls back, and a loop both sides share (a
+    dependency down) weighs on both alike."""
+    if not judged:
+        return {}
+    looping = {(task_class, level): [0, 0] for task_class, level, _ in judged}
+    by_class: dict[str, list[tuple[str, int]]] = {}
+    for task_class, level, bound in judged:
+        by_class.setdefault(task_class, []).append((level, now - bound))
+    oldest = max(created_before for both in by_class.values() for _, created_before in both)
+    with engine.connect() as conn:
+        rows = conn.execute(sql.yielding(sorted(by_class), oldest)).all()
+    for row in rows:
+        for level, created_before in by_class[row.taskClass]:
+            if row.dateCreated < created_before:
+                new = canary.takes(level, row.taskClass, row.id, row.failureTime)
+                looping[row.taskClass, level][0 if new else 1] += 1
+    return {key: (new, old) for key, (new, old) in looping.items()}
+
+
+def _with_yield_loops(window: Window, new: int, old: int) -> Window:
+    """``window`` with ``new`` and ``old`` rows in a yield loop as failed runs."""
+    return replace(
+        window,
+        new=replace(window.new, runs=window.new.runs + new, yield_loops=new),
+        old=replace(window.old, runs=window.old.runs + old, yield_loops=old),
+    )
+
+
 def guard_once(
     store: CanaryStore,
     engine: Engine,
@@ -665,7 +709,13 @@ def guard_once(
             for task_class, level, since, mine, _ in shared
         ]
         windows = judged_windows(engine, ledger, judged, now, settings)
-        for (task_class, level, _, mine, limit), (short, long) in zip(shared, windows, strict=True):
+        bounds_of = [
+            (task_class, level, mine.max_yielding) for task_class, level, _, mine, _ in shared
+        ]
+        loops = yield_loops(engine, canary, bounds_of, now)
+        for (task_class, level, _, mine, limit), windows_of in zip(shared, windows, strict=True):
+            looping = loops[task_class, level]
+            short, long = (_with_yield_loops(window, *looping) for window in windows_of)
             reason = verdict(short, mine) or verdict(long, mine)
             if suspicions.confirmed(task_class, level, reason, limit):
                 if _trip(store, task_class, level, now, str(reason)):

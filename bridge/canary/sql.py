@@ -28,6 +28,7 @@ from sqlalchemy import (
 )
 
 from bridge.queue.dialect import db_now, owner_label
+from bridge.queue.model import YIELD_OWNER
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 
@@ -190,3 +191,16 @@ def queued(task_class: str) -> Select[Any]:
 
 def server_time() -> Select[Any]:
     return select(db_now())
+
+
+def yielding(task_classes: Sequence[str], created_before: int) -> Select[Any]:
+    """The yielded active rows of ``task_classes`` created before ``created_before``
+    (owner ``(yield)``, through ``key_owner``): a task still yielding that long is in a
+    yield loop on its side, which its id and failure time tell (``Canary.takes``)."""
+    return select(
+        active.c.id, active.c.taskClass, active.c.failureTime, active.c.dateCreated
+    ).where(
+        active.c.leaseOwner == YIELD_OWNER,
+        active.c.taskClass.in_(task_classes),
+        active.c.dateCreated < created_before,
+    )

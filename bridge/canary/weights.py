@@ -138,6 +138,10 @@ class ClassWeights:
     def at(self, level: str) -> int:
         return self.bridge if level == BRIDGE else self.native
 
+    def bound(self, name: str, default: float) -> float:
+        """The class's own guard bound ``name``, else ``default`` (the setting's)."""
+        return dict(self.guard).get(name, default)
+
 
 def _ramp(given: Any, where: str) -> Ramp:
     value = _object(given)
@@ -180,6 +184,7 @@ GUARD_BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_slowdown": (lambda v: _number(v) and v >= 1, "a number of at least 1"),
     "slowdown_floor": (lambda v: _number(v) and v > 0, "a positive number of seconds"),
     "max_followup_change": (lambda v: _number(v) and 0 <= v <= 1, "a number from 0 to 1"),
+    "max_yielding": (_whole, "a positive integer of seconds"),
 }
 
 

@@ -20,7 +20,8 @@ from bridge.queue import Lease, Outcome
 class ClearedTask:
     """A checked task cleared to run: its handler and context, the lease seconds it has
     left and the seconds its run may keep the lease renewed; who runs it (its archive
-    label) and, for a new-side run of a shared class, who takes it should it fail."""
+    label) and, for a new-side run of a shared class, who takes it should it fail, and
+    the task's age when a yield of it would be a yield loop (``sides.yield_loop_age``)."""
 
     lease: Lease
     label: str
@@ -30,6 +31,7 @@ class ClearedTask:
     budget: int
     implementation: str = ""
     fallback_to: str | None = None
+    yield_loop_age: int | None = None
 
 
 @dataclass(frozen=True)

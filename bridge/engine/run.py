@@ -21,7 +21,13 @@ from bridge.canary.weights import Canary
 from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
 from bridge.engine.reports import ClearedTask, Ended, PendingOutcome, RunReport
-from bridge.engine.sides import PHDS_SHARE, choose, fallback, implementation_label
+from bridge.engine.sides import (
+    PHDS_SHARE,
+    choose,
+    fallback,
+    implementation_label,
+    yield_loop_age,
+)
 from bridge.handlers.api import TaskContext
 from bridge.handlers.capabilities import BatchHandler, availability_of, implementation_of
 from bridge.handlers.outcome import HandlerResult, clear, run_handler, run_handlers
@@ -115,8 +121,19 @@ def prepare(
             )
         remaining = required
     budget = required or rt.settings.default_lease
+    looping = None
+    if choice.fallback_to is not None:
+        looping = yield_loop_age(canary, task, rt.settings.canary_max_yielding)
     return ClearedTask(
-        lease, task.label, handler, ctx, remaining, budget, implementation, choice.fallback_to
+        lease,
+        task.label,
+        handler,
+        ctx,
+        remaining,
+        budget,
+        implementation,
+        choice.fallback_to,
+        looping,
     )
 
 
@@ -145,7 +162,7 @@ def run_cleared(rt: Runtime, group: Sequence[ClearedTask]) -> list[Ended]:
             # side that could not finish it; any other run's row waits for its expiry.
             duration = result.duration_us
             result = HandlerResult(Outcome.HANDED_BACK, reason=LEASE_EXPIRED, duration_us=duration)
-        result = fallback(cleared.fallback_to, result)
+        result = fallback(cleared.fallback_to, result, cleared.yield_loop_age)
         for observer in observers():
             observer.handler_returned(cleared.ctx.task_class, share, result, implementation)
         if watch.lost and result.outcome is not Outcome.FALLBACK:

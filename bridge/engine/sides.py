@@ -102,13 +102,30 @@ def implementation_label(handler: Handler, task: Task) -> str:
     return implementation_of(handler) + (FALLBACK if fell_back else "")
 
 
-def fallback(fallback_to: str | None, result: HandlerResult) -> HandlerResult:
+def yield_loop_age(canary: Canary, task: Task, max_yielding: int) -> int | None:
+    """``task``'s age (the database's clock) when it is past its class's
+    ``max_yielding`` (its ``"guard"`` bound, else the setting's), else None: a yield is
+    Phorge's "not yet" on either side, so only a new side that still yields a task that
+    old is taken as looping (its yield then falls back); nothing in Phorge's tables
+    counts a row's yields."""
+    age = (task.server_time or task.date_created) - task.date_created
+    bound = canary.configured(task.task_class).bound("max_yielding", max_yielding)
+    return age if age > bound else None
+
+
+def fallback(
+    fallback_to: str | None, result: HandlerResult, yield_loop_age: int | None = None
+) -> HandlerResult:
     """A new-side run's failure or hand-back (``fallback_to``: the old side, None for
-    any other run), as the fallback written instead (the row goes to the old side;
+    any other run), or its yield of a task ``yield_loop_age`` s old (set past the
+    class's bound), as the fallback written instead (the row goes to the old side;
     nothing counted, nothing archived); any other result as it is."""
-    if fallback_to is None or result.outcome not in FALLS_BACK:
+    looped = yield_loop_age is not None and result.outcome is Outcome.YIELD
+    if fallback_to is None or not (looped or result.outcome in FALLS_BACK):
         return result
     taker = f"{fallback_to} takes it"
+    if looped:
+        taker = f"a yield loop (still yielding {yield_loop_age} s after its creation); {taker}"
     reason = f"{result.reason}; {taker}" if result.reason else taker
     return replace(
         result, outcome=Outcome.FALLBACK, reason=reason, delay=None, followups=(), scheduled=0

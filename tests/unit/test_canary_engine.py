@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,7 +37,14 @@ from bridge.engine.poll import poll_once
 from bridge.engine.reports import RunReport
 from bridge.engine.sides import PHDS_SHARE, archive_owner
 from bridge.errors import ConfigError
-from bridge.handlers.api import HandBack, Handler, PermanentFailure, TaskContext, TemporaryFailure
+from bridge.handlers.api import (
+    HandBack,
+    Handler,
+    PermanentFailure,
+    TaskContext,
+    TemporaryFailure,
+    Yield,
+)
 from bridge.handlers.availability import Availability
 from bridge.handlers.capabilities import CONDUIT, RUNNER, BatchHandler, TransportHandler
 from bridge.handlers.outcome import HandlerResult
@@ -678,3 +686,69 @@ def test_an_old_side_run_that_outlived_its_lease_leaves_its_row_to_the_expiry(
     assert report.outcome is Outcome.LEASE_LOST
     row = active_rows(rt, [task_id])[task_id]
     assert (row.leaseOwner, row.leaseExpires, row.failureTime) == (owner, 1, None)
+
+
+class Yielding(Native):
+    """A new side that yields every task (``Yield(delay=30)``): a yield loop when it never ends."""
+
+    def run(self, task: TaskContext) -> None:
+        self.ran.append(task.id)
+        raise Yield(delay=30)
+
+
+def created_ago(rt: Runtime, ids: list[int], seconds: int) -> None:
+    with rt.queue.engine.begin() as conn:
+        created = int(time.time()) - seconds
+        conn.execute(update(active).where(active.c.id.in_(ids)).values(dateCreated=created))
+
+
+@pytest.mark.parametrize("bound", ["setting", "the class's own"])
+def test_a_new_side_yield_of_a_task_past_max_yielding_falls_back_to_the_old_side(
+    tmp_path: Path, bound: str
+):
+    """A yield is Phorge's "not yet", so the new side's yield of a young task is a yield;
+    of a task created longer than ``max_yielding`` ago it is a yield loop, and the row
+    goes to the old side as any other new-side failure does."""
+    rt = runtime(tmp_path, Yielding(), runner=Runner())
+    if bound == "setting":
+        rt.settings = replace(rt.settings, canary_max_yielding=600)
+        set_weights(rt.queue.engine, {CLASS: {"native": 50}})
+    else:
+        set_weights(rt.queue.engine, {CLASS: {"native": 50, "guard": {"max_yielding": 600}}})
+    ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
+    young, old = sorted(new_side(NATIVE, 50, ids))[:2]
+    created_ago(rt, [young], 590)
+    created_ago(rt, [old], 610)
+    reports = run_each(rt, lease_all(rt, [young, old]), [young, old])
+    assert reports[young].outcome is Outcome.YIELD
+    assert (reports[old].outcome, reports[old].reason) == (
+        Outcome.FALLBACK,
+        "a yield loop (still yielding 610 s after its creation); runner takes it",
+    )
+    rows = active_rows(rt, [young, old])
+    assert (rows[young].leaseOwner, rows[young].failureTime) == ("(yield)", None)
+    assert (rows[old].leaseOwner, rows[old].failureCount) == (None, 0)
+    assert rows[old].failureTime is not None, "the old side's now, a fallback for the guard"
+
+
+class YieldingRunner(Runner):
+    def run(self, task: TaskContext) -> None:
+        self.ran.append(task.id)
+        raise Yield(delay=30)
+
+
+def test_an_old_side_or_unshared_yield_of_an_old_task_stays_a_yield(tmp_path: Path):
+    runner = YieldingRunner()
+    rt = runtime(tmp_path, Yielding(), runner=runner)
+    set_weights(rt.queue.engine, {CLASS: {"native": 50}})
+    ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
+    theirs = sorted(set(ids) - new_side(NATIVE, 50, ids))[0]
+    [other] = rt.queue.enqueue_many([NewTask(OTHER, {})])
+    created_ago(rt, [theirs, other], 2 * rt.settings.canary_max_yielding)
+    assert run_each(rt, lease_all(rt, [theirs]), [theirs])[theirs].outcome is Outcome.YIELD
+    assert runner.ran == [theirs], "the old side ran it, and yields as Phorge would"
+    report = run_task(rt, Lease(other, lease_all(rt, [other]), 0), task_class=OTHER)
+    assert report.outcome is Outcome.YIELD, "no canary names it: a yield as Phorge's"
+    rows = active_rows(rt, [theirs, other])
+    assert {row.leaseOwner for row in rows.values()} == {"(yield)"}
+    assert {row.failureTime for row in rows.values()} == {None}

@@ -27,7 +27,7 @@ from bridge.canary.guard import (
 )
 from bridge.canary.ledger import SETTLE, Ledger
 from bridge.canary.store import CanaryStore
-from bridge.canary.weights import BRIDGE, NATIVE, CanaryState, stored
+from bridge.canary.weights import BRIDGE, NATIVE, CanaryState, bucket, stored
 from bridge.config import load_settings
 from bridge.queue import make_engine
 from bridge.queue.schema import worker_activetask as active
@@ -699,3 +699,54 @@ def test_after_a_promotion_only_newer_runs_are_judged(db):
     archived(engine, owner("runner-fallback"), count=12)
     archived(engine, owner("runner"), count=148)
     assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
+
+
+def yielding_rows(engine: sa.Engine, new: int, old: int, age: int) -> None:
+    """``new`` and ``old`` rows of C yielded by each side of C's 50% native share,
+    created ``age`` s ago."""
+    now, rows = int(time.time()), []
+    wanted = {True: new, False: old}
+    while any(wanted.values()):
+        task_id = next(TASK_IDS)
+        ours = bucket(NATIVE, task_id) < 5000
+        if wanted[ours]:
+            wanted[ours] -= 1
+            rows.append(
+                {
+                    "id": task_id,
+                    "taskClass": "C",
+                    "leaseOwner": "(yield)",
+                    "leaseExpires": now + 30,
+                    "failureCount": 0,
+                    "dataID": 1,
+                    "failureTime": None,
+                    "priority": 3000,
+                    "dateCreated": now - age,
+                    "dateModified": now,
+                }
+            )
+    with engine.begin() as conn:
+        conn.execute(sa.insert(active), rows)
+
+
+@pytest.mark.parametrize(
+    ("new", "old", "rolled_back"),
+    [(12, 0, True), (2, 8, False)],
+    ids=["the new side loops", "both sides loop alike"],
+)
+def test_rows_yielding_past_max_yielding_are_their_sides_failures(db, new, old, rolled_back):
+    """A new side that yields forever leaves no archive row: its rows still yielding an
+    hour after their creation are its failures, and the old side's are the old side's,
+    so a loop both sides share (a dependency down) rolls nothing back."""
+    engine, settings = db
+    store = CanaryStore(engine, None)
+    store.set_weights({"C": {"native": 50, "guard": {"max_yielding": 3600}}})
+    archived(engine, owner("native"), count=20)
+    archived(engine, owner("runner"), count=80)
+    yielding_rows(engine, new, old, age=3700)
+    yielding_rows(engine, 20, 20, age=3500)  # young enough: Phorge's "not yet"
+    made = guard_once(store, engine, settings, Suspicions(1))
+    assert made == (["rollback C (native)"] if rolled_back else [])
+    if rolled_back:
+        reason = store.read().state.of("C", NATIVE).reason
+        assert "rows in a yield loop 12 on the new side and 0 on the old" in reason

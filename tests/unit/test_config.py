@@ -115,6 +115,7 @@ ACCEPTED = [
     ("BRIDGE_CANARY_MAX_SLOWDOWN", "1", "canary_max_slowdown", 1.0),
     ("BRIDGE_CANARY_SLOWDOWN_FLOOR", "0.5", "canary_slowdown_floor", 0.5),
     ("BRIDGE_CANARY_MAX_FOLLOWUP_CHANGE", "0.2", "canary_max_followup_change", 0.2),
+    ("BRIDGE_CANARY_MAX_YIELDING", "86400", "canary_max_yielding", 86400),
 ]
 EXPECTED_GLOBS = {"BRIDGE_HANDLERS_INCLUDE": ("Phabricator*", "Herald*")}
 

@@ -541,6 +541,7 @@ final class PhorgeBridgeCanary {
       'max_slowdown' => 'a number of at least 1',
       'slowdown_floor' => 'a positive number of seconds',
       'max_followup_change' => 'a number from 0 to 1',
+      'max_yielding' => 'a positive integer of seconds',
     );
     if (!self::isObject($value) ||
         array_diff(array_keys($value), array_keys($bounds))) {
@@ -571,6 +572,7 @@ final class PhorgeBridgeCanary {
       case 'min_runs':
       case 'min_failures':
       case 'failure_limit':
+      case 'max_yielding':
         return is_int($value) && $value >= 1;
       case 'max_drop':
       case 'max_followup_change':
