@@ -21,13 +21,14 @@ from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
 
 from bridge.canary.store import CanaryView
-from bridge.canary.weights import NATIVE, OPTION, SCALE, Canary, percent
+from bridge.canary.weights import OPTION, SCALE, Canary, percent
 from bridge.config import Settings, current_settings
 from bridge.engine.context import Runtime, open_runtime
 from bridge.errors import BridgeError, ConfigError
 from bridge.handlers.api import Handler
 from bridge.handlers.registry import Registry
 from bridge.metrics import count_runs
+from bridge.queue.implementations import PYTHON
 from bridge.transports.conduit import metrics as conduit_metrics
 from bridge.transports.conduit.client import ConduitClient
 from bridge.transports.conduit.feed import FeedPublisherHTTPHandler
@@ -110,16 +111,16 @@ def build_runtime(settings: Settings) -> Runtime:
 
 def unhonoured(canary: Canary, registry: Registry) -> list[str]:
     """What of ``canary`` a worker serving ``registry`` cannot honour, one line per class:
-    a native weight below 100 for a class it serves natively but has no PHP path for (no
+    a python weight below 100 for a class it serves natively but has no PHP path for (no
     runner glob matches it, no Conduit): the old side's share would have nowhere to run."""
     problems = []
     for task_class, handler in registry.native.items():
-        weight = canary.weight(task_class, NATIVE)
+        weight = canary.weight(task_class, PYTHON)
         if weight >= SCALE or registry.handler_for(task_class) is not handler:
             continue
         if registry.php_handler_for(task_class) is None:
             problems.append(
-                f"{task_class}: native weight {percent(weight):g}% needs a PHP path for the "
+                f"{task_class}: python weight {percent(weight):g}% needs a PHP path for the "
                 "class in this worker (a BRIDGE_RUNNER_CLASSES glob with BRIDGE_PHORGE_ROOT, "
                 "or BRIDGE_CONDUIT_URL), and it has none"
             )

@@ -18,7 +18,7 @@ from bridge.handlers.registry import Registry
 
 CLASS, TASKS = "PhabricatorTestWorker", 200_000
 registry = Registry([PhabricatorTestWorker()])
-shared = canary_of({CLASS: {"bridge": 99.99}}, None)
+shared = canary_of({CLASS: {"celery": 99.99}}, None)
 for label, canary in (("no canary", NO_CANARY), ("class shared at 99.99%", shared)):
     runs = timeit.repeat(
         lambda canary=canary: [choose(registry, canary, CLASS, i, None) for i in range(TASKS)],

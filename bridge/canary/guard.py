@@ -40,14 +40,8 @@ from bridge.canary.ledger import Counts, Ledger, Minutes, add_counts
 from bridge.canary.significance import excess_failures_p, rate_change_p
 from bridge.canary.sql import MINUTE
 from bridge.canary.store import CanaryStore
-from bridge.canary.weights import (
-    FELL_BACK,
-    NEW,
-    PHD,
-    Canary,
-    label_parts,
-    side_of,
-)
+from bridge.canary.weights import FELL_BACK, NEW, Canary, label_parts, side_of
+from bridge.queue.implementations import PHD
 from bridge.queue.model import RESULT_FAILURE, RESULT_SUCCESS, label_of
 from bridge.queue.phorge_queue import named_lock
 

@@ -23,19 +23,16 @@ from typing import Any
 
 from bridge.errors import ConfigError
 from bridge.phorge.php import PHP_INT
+from bridge.queue.dialect import BUCKETS
+from bridge.queue.implementations import CELERY, CONDUIT, LEVELS, NATIVE, PHD, PYTHON
 
-SCALE = 10_000  # weights in basis points: 0.01% steps
-BRIDGE, NATIVE = "bridge", "native"
-LEVELS = (BRIDGE, NATIVE)
+SCALE = BUCKETS  # weights in basis points (0.01% steps): one per bucket of the hash
 OPTION = "phorge-bridge.canary"
 STATE_OPTION = "phorge-bridge.canary-state"
 DEFAULT = "*"  # the key of the weights of every class not named
 DEFAULT_DWELL = 600
 HISTORY_PER_CLASS = 50
 
-# Who ran a task, as the lease owner of its archive row says (``model.label_of``).
-PHD, RUNNER, CONDUIT, NATIVE_RUN = "phd", "runner", "conduit", "native"
-IMPLEMENTATIONS = (PHD, RUNNER, CONDUIT, NATIVE_RUN)
 FALLBACK = "-fallback"  # suffix of a run of a row that fell back from the new side
 FOLLOWED = "~"  # then the follow-ups a successful run queued, when it queued any
 MAX_FOLLOWUPS = 99  # the most a label counts
@@ -79,8 +76,8 @@ def side_of(level: str, label: str | None) -> str:
     label = label_parts(label)[0]
     if label is not None and label.endswith(FALLBACK):
         return FELL_BACK
-    if level == NATIVE:
-        return NEW if label == NATIVE_RUN else OLD
+    if level == PYTHON:
+        return NEW if label == NATIVE else OLD
     return OLD if label in (None, PHD) else NEW
 
 
@@ -130,13 +127,13 @@ class ClassWeights:
     bounds it sets for itself (``BRIDGE_CANARY_*`` names, lower-cased, without the
     prefix: ``max_drop``, ...)."""
 
-    bridge: int = SCALE
-    native: int = SCALE
+    celery: int = SCALE
+    python: int = SCALE
     ramp: Ramp | None = None
     guard: tuple[tuple[str, float], ...] = ()
 
     def at(self, level: str) -> int:
-        return self.bridge if level == BRIDGE else self.native
+        return self.celery if level == CELERY else self.python
 
     def bound(self, name: str, default: float) -> float:
         """The class's own guard bound ``name``, else ``default`` (the setting's)."""
@@ -149,7 +146,7 @@ def _ramp(given: Any, where: str) -> Ramp:
         raise ConfigError(OPTION, f"{where}.ramp: expected {{level, steps, dwell}}, got {given!r}")
     level = value.get("level")
     if level not in LEVELS:
-        raise ConfigError(OPTION, f"{where}.ramp.level: expected bridge or native, got {level!r}")
+        raise ConfigError(OPTION, f"{where}.ramp.level: expected celery or python, got {level!r}")
     steps = value.get("steps")
     if not isinstance(steps, list) or not steps:
         raise ConfigError(OPTION, f"{where}.ramp.steps: expected a list of percentages")
@@ -204,10 +201,10 @@ def _class_weights(name: str, given: Any, default: ClassWeights) -> ClassWeights
     """A class's entry; a level it leaves out has the ``"*"`` entry's weight (100 without
     one), but for a ramp's own level: naming a class at one level moves it at no other."""
     value = _object(given)
-    if value is None or set(value) - {BRIDGE, NATIVE, "ramp", "guard"}:
+    if value is None or set(value) - {CELERY, PYTHON, "ramp", "guard"}:
         raise ConfigError(
             OPTION,
-            f"{name}: expected an object with bridge, native, ramp or guard, got {given!r}",
+            f"{name}: expected an object with celery, python, ramp or guard, got {given!r}",
         )
     given_bp = {lv: _percent(value[lv], f"{name}.{lv}") for lv in LEVELS if lv in value}
     ramp = _ramp(value["ramp"], name) if "ramp" in value else None
@@ -220,7 +217,7 @@ def _class_weights(name: str, given: Any, default: ClassWeights) -> ClassWeights
         return SCALE if ramp is not None and ramp.level == level else default.at(level)
 
     guard = _guard(value["guard"], name) if "guard" in value else ()
-    weights = ClassWeights(bridge=at(BRIDGE), native=at(NATIVE), ramp=ramp, guard=guard)
+    weights = ClassWeights(celery=at(CELERY), python=at(PYTHON), ramp=ramp, guard=guard)
     shared = {level for level in LEVELS if 0 < weights.at(level) < SCALE}
     if ramp is not None:
         shared.add(ramp.level)
@@ -543,7 +540,7 @@ class Canary:
             return 0 if 0 < weight < SCALE else weight
 
         weights = {
-            name: ClassWeights(bridge=shut(name, BRIDGE), native=shut(name, NATIVE))
+            name: ClassWeights(celery=shut(name, CELERY), python=shut(name, PYTHON))
             for name in self.weights
         }
         return Canary(weights, self.state)
@@ -557,7 +554,7 @@ class Canary:
 
 NO_CANARY = Canary()
 # Before any read: no class runs on the new side of either level, since any may be shared.
-CLOSED = Canary({DEFAULT: ClassWeights(bridge=0, native=0)})
+CLOSED = Canary({DEFAULT: ClassWeights(celery=0, python=0)})
 
 
 def canary_of(weights: Any, state: Any) -> Canary:

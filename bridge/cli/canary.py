@@ -22,9 +22,7 @@ from bridge.canary import decisions, sql
 from bridge.canary.guard import SideStats, Window, read_windows, summed_window
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import (
-    BRIDGE,
     DEFAULT,
-    LEVELS,
     OPTION,
     SCALE,
     STATE_OPTION,
@@ -38,6 +36,7 @@ from bridge.canary.weights import (
 from bridge.cli.tasks import stamp
 from bridge.config import ConfigError, Settings, load_settings
 from bridge.queue import make_engine
+from bridge.queue.implementations import CELERY, LEVELS
 
 OPERATOR_ROLLBACK = "rolled back by an operator"
 OPERATOR_PROMOTION = "promoted by an operator"
@@ -94,7 +93,7 @@ class Context:
 
 def default_level(canary: Canary, task_class: str) -> str:
     """The level a verb acts on without --level: the class's shared one, else the one
-    it was rolled back or configured below 100 at, else ``bridge``."""
+    it was rolled back or configured below 100 at, else ``celery``."""
     shared = canary.level_of(task_class)
     if shared is not None:
         return shared
@@ -106,7 +105,7 @@ def default_level(canary: Canary, task_class: str) -> str:
         ramp = configured.ramp
         if configured.at(level) < SCALE or (ramp is not None and ramp.level == level):
             return level
-    return BRIDGE
+    return CELERY
 
 
 def pct(bp: int | float) -> str:
@@ -235,7 +234,7 @@ def status(task_class: str | None, as_json: bool) -> None:
     click.echo(f"every other class: {others}")
 
 
-LEVEL_HELP = "bridge (phd against the bridge) or native (PHP against a native handler)"
+LEVEL_HELP = "celery (phd against Celery's workers) or python (PHP against a native handler)"
 
 
 def level_option(command: Any) -> Any:
@@ -312,7 +311,7 @@ def edited(before: Canary, after: Canary, task_class: str, levels: tuple[str, ..
 @click.argument("task_class", metavar="CLASS")
 @click.argument("weight", metavar="PERCENT", type=click.FloatRange(0, 100))
 @click.option(
-    "--level", type=click.Choice(LEVELS), default=BRIDGE, show_default=True, help=LEVEL_HELP
+    "--level", type=click.Choice(LEVELS), default=CELERY, show_default=True, help=LEVEL_HELP
 )
 def set_weight(task_class: str, weight: float, level: str) -> None:
     """Run PERCENT of CLASS's tasks on the new side of the level. Every other class and

@@ -20,8 +20,7 @@ from sqlalchemy import Engine, inspect
 
 from bridge.assembly import build_registry
 from bridge.canary.store import CanaryStore
-from bridge.canary.weights import BRIDGE, DEFAULT, LEVELS, OPTION, SCALE, Canary, percent
-from bridge.canary.weights import NATIVE as NATIVE_LEVEL
+from bridge.canary.weights import DEFAULT, OPTION, SCALE, Canary, percent
 from bridge.cli.service_errors import driver_error, first_line
 from bridge.cli.tasks import stamp
 from bridge.config import ConfigError, Settings, load_settings
@@ -33,7 +32,6 @@ from bridge.errors import (
     WritesRefused,
 )
 from bridge.handlers.api import TaskContext
-from bridge.handlers.registry import NATIVE as NATIVE_HANDLER
 from bridge.handlers.registry import Registry
 from bridge.phorge import extension as phorge_extension
 from bridge.phorge.extension import VERSION_METHOD, shipped_sha256, shipped_version
@@ -41,6 +39,7 @@ from bridge.queue import PhorgeQueue
 from bridge.queue import statements as sql
 from bridge.queue.beat_lock import beat_lock_holder
 from bridge.queue.dialect import is_mysql
+from bridge.queue.implementations import CELERY, LEVELS, NATIVE, PYTHON
 from bridge.queue.schema import WORKER_TABLES, beside
 from bridge.transports.conduit.client import ConduitClient
 from bridge.transports.conduit.handler import ConduitProxyHandler
@@ -539,13 +538,13 @@ UNIT = "phorge-bridge-queue-daemon"  # deploy/systemd/phorge-bridge-queue-daemon
 
 
 def phds_share(canary: Canary) -> list[str]:
-    """What the weights leave to phd at the bridge level, as an operator reads it."""
+    """What the weights leave to phd at the celery level, as an operator reads it."""
     share = [
         f"{name} {percent(SCALE - weight):g}%"
         for name in canary.named
-        if (weight := canary.weight(name, BRIDGE)) < SCALE
+        if (weight := canary.weight(name, CELERY)) < SCALE
     ]
-    if canary.configured(DEFAULT).bridge < SCALE:
+    if canary.configured(DEFAULT).celery < SCALE:
         share.append("every class not named")
     return share
 
@@ -670,7 +669,7 @@ def check_canary(doctor: Doctor) -> Check:
 
 def check_canary_reach(doctor: Doctor) -> Check:
     """Each class the weights name for the bridge has a live worker that runs it, and each
-    class shared at the native level one that runs it natively with a PHP path beside (a
+    class shared at the python level one that runs it natively with a PHP path beside (a
     rollback's old side): else its share waits for nobody, from what the workers announce."""
     doctor.require("broker")
     from bridge.celery import app
@@ -682,7 +681,7 @@ def check_canary_reach(doctor: Doctor) -> Check:
     if isinstance(weights, Check):
         return weights
     assert doctor.settings is not None
-    named = [c for c in weights.named if weights.weight(c, BRIDGE) > 0]
+    named = [c for c in weights.named if weights.weight(c, CELERY) > 0]
     if not named:
         return Check(name, "ok", "the weights name no class for the bridge")
     nodes = announcements(app, INSPECT_TIMEOUT)
@@ -693,17 +692,17 @@ def check_canary_reach(doctor: Doctor) -> Check:
         queue = doctor.settings.router.queue_for(task_class)
         live = [a for a in nodes.values() if a.runs(task_class, queue)]
         if not live:
-            share = f"{percent(weights.weight(task_class, BRIDGE)):g}%"
+            share = f"{percent(weights.weight(task_class, CELERY)):g}%"
             problems.append(
                 f"{task_class} ({share} for the bridge): no live worker runs it on {queue}"
             )
-        elif weights.level_of(task_class) == NATIVE_LEVEL and not any(
-            a.coverage.transport_for(task_class) == NATIVE_HANDLER
+        elif weights.level_of(task_class) == PYTHON and not any(
+            a.coverage.transport_for(task_class) == NATIVE
             and a.coverage.php_transport_for(task_class)
             for a in live
         ):
             problems.append(
-                f"{task_class} (shared at the native level): no live worker on {queue} runs "
+                f"{task_class} (shared at the python level): no live worker on {queue} runs "
                 "it natively with a PHP path for the old side"
             )
     if problems:

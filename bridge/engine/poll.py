@@ -21,13 +21,14 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from bridge.canary.weights import BRIDGE, SCALE, Canary
+from bridge.canary.weights import SCALE, Canary
 from bridge.engine.context import Runtime
 from bridge.engine.pace import SPREAD, WINDOW, Pace, in_flight_target
 from bridge.engine.standby import standby_seconds
 from bridge.errors import WritesRefused
 from bridge.handlers.api import Handler
 from bridge.handlers.capabilities import is_available
+from bridge.queue.implementations import CELERY
 from bridge.queue.model import InFlight, Leased
 
 # Seconds a poll's lease lasts until the broker took its messages (then the dispatch
@@ -113,7 +114,7 @@ def plan(rt: Runtime, elsewhere: RunsElsewhere | None = None) -> dict[str, list[
 def bridge_shares(
     canary: Canary, by_queue: dict[str, list[str]]
 ) -> tuple[dict[str, list[str]], dict[str, int]]:
-    """``by_queue`` without the classes the canary gives wholly to phd (bridge weight 0),
+    """``by_queue`` without the classes the canary gives wholly to phd (celery weight 0),
     and the bridge's weight (basis points) of each class it shares with phd: the poll
     leases only the rows of those that never failed and whose bucket is below it."""
     kept: dict[str, list[str]] = {}
@@ -121,7 +122,7 @@ def bridge_shares(
     for queue, classes in by_queue.items():
         ours = []
         for task_class in classes:
-            weight = canary.weight(task_class, BRIDGE)
+            weight = canary.weight(task_class, CELERY)
             if weight <= 0:
                 continue
             if weight < SCALE:

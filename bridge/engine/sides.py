@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from bridge.canary.weights import BRIDGE, FALLBACK, NATIVE, PHD, SCALE, Canary, labelled
+from bridge.canary.weights import FALLBACK, SCALE, Canary, labelled
 from bridge.handlers.api import Handler
 from bridge.handlers.capabilities import implementation_of
 from bridge.handlers.outcome import HandlerResult
 from bridge.handlers.registry import Registry
 from bridge.queue import Outcome, Task
+from bridge.queue.implementations import CELERY, PHD, PYTHON
 from bridge.queue.model import MAX_NAME
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,8 @@ def archive_owner(owner: str, implementation: str | None) -> str | None:
 @dataclass(frozen=True)
 class Choice:
     """Which handler runs a task under the canary in force. ``fallback_to``: set for a
-    run of the new side of a class shared at some level (``phd`` at the bridge level, the
-    PHP transport at the native level), which takes the task when the run fails.
+    run of the new side of a class shared at some level (``phd`` at the celery level, the
+    PHP transport at the python level), which takes the task when the run fails.
     ``phds_share``: the row is no longer the bridge's (its class was rolled back, or its
     weight lowered): it goes back, for phd."""
 
@@ -58,7 +59,7 @@ class Choice:
     phds_share: bool = False
 
 
-_UNHONOURED: set[str] = set()  # classes whose native weight this worker cannot honour
+_UNHONOURED: set[str] = set()  # classes whose python weight this worker cannot honour
 
 
 def choose(
@@ -66,28 +67,28 @@ def choose(
 ) -> Choice:
     """The handler for a task (``failure_time`` as its row has it; None to predict a
     message's grouping before its check), by the registry and the new side test at each
-    level (``Canary.takes``): at the bridge level, a row that is phd's is handed back; at
-    the native level, a natively served class runs natively only for the new side's share,
+    level (``Canary.takes``): at the celery level, a row that is phd's is handed back; at
+    the python level, a natively served class runs natively only for the new side's share,
     else on the PHP transport the class would have without its native handler."""
     handler = registry.handler_for(task_class)
     if handler is None or not canary.active:
         return Choice(handler)  # no canary: not a cost a task pays
     fallback_to = None
-    if canary.weight(task_class, BRIDGE) < SCALE:
-        if not canary.takes(BRIDGE, task_class, task_id, failure_time):
+    if canary.weight(task_class, CELERY) < SCALE:
+        if not canary.takes(CELERY, task_class, task_id, failure_time):
             return Choice(None, phds_share=True)
         fallback_to = PHD
-    if canary.weight(task_class, NATIVE) < SCALE and registry.native.get(task_class) is handler:
+    if canary.weight(task_class, PYTHON) < SCALE and registry.native.get(task_class) is handler:
         php = registry.php_handler_for(task_class)
         if php is None:
             if task_class not in _UNHONOURED:
                 _UNHONOURED.add(task_class)
                 log.error(
-                    "canary: %s has a native weight below 100 but no PHP path in this worker "
+                    "canary: %s has a python weight below 100 but no PHP path in this worker "
                     "(no runner glob, no Conduit): it runs natively here",
                     task_class,
                 )
-        elif canary.takes(NATIVE, task_class, task_id, failure_time):
+        elif canary.takes(PYTHON, task_class, task_id, failure_time):
             fallback_to = fallback_to or implementation_of(php)
         else:
             handler = php

@@ -14,9 +14,7 @@ from collections.abc import Sequence
 
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.availability import Availability
-
-# Who runs a task, as its archive row, its metrics and its log line name it.
-NATIVE, RUNNER, CONDUIT = "native", "runner", "conduit"
+from bridge.queue.implementations import NATIVE
 
 
 class TransportHandler(Handler):

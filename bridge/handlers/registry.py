@@ -14,8 +14,7 @@ from typing import Any
 
 from bridge.errors import DuplicateHandlerError
 from bridge.handlers.api import Handler
-
-NATIVE, RUNNER, PROXY = "native", "runner", "proxy"  # what may serve a class
+from bridge.queue.implementations import CONDUIT, NATIVE, RUNNER
 
 
 def allowed(task_class: str, include: Iterable[str], exclude: Iterable[str]) -> bool:
@@ -27,7 +26,7 @@ def allowed(task_class: str, include: Iterable[str], exclude: Iterable[str]) -> 
 def version_key(transport: str, task_class: str) -> str:
     """Where :meth:`Registry.versions` keeps the version of ``transport`` serving
     ``task_class``: a native handler's per class (``native:Class``), a PHP transport's
-    once for all its classes (``runner``, ``proxy``)."""
+    once for all its classes (``runner``, ``conduit``)."""
     return f"{NATIVE}:{task_class}" if transport == NATIVE else transport
 
 
@@ -40,12 +39,12 @@ class Coverage:
 
     native: tuple[str, ...] = ()
     runner: tuple[str, ...] | None = None
-    proxy: bool = False
+    conduit: bool = False
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
 
     def transport_for(self, task_class: str) -> str | None:
-        """:data:`NATIVE`, :data:`RUNNER` or :data:`PROXY`: what serves ``task_class``, or
+        """:data:`NATIVE`, :data:`RUNNER` or :data:`CONDUIT`: what serves ``task_class``, or
         None when it is left to PHP's taskmasters."""
         if not allowed(task_class, self.include, self.exclude):
             return None
@@ -54,13 +53,13 @@ class Coverage:
         return self.php_transport_for(task_class)
 
     def php_transport_for(self, task_class: str) -> str | None:
-        """:data:`RUNNER` or :data:`PROXY`: what runs ``task_class`` in PHP here, native
-        handler or not (the old side of the native level), or None."""
+        """:data:`RUNNER` or :data:`CONDUIT`: what runs ``task_class`` in PHP here, native
+        handler or not (the old side of the python level), or None."""
         if not allowed(task_class, self.include, self.exclude):
             return None
         if self.runner is not None and any(fnmatchcase(task_class, g) for g in self.runner):
             return RUNNER
-        return PROXY if self.proxy else None
+        return CONDUIT if self.conduit else None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +72,7 @@ class Coverage:
             return cls(
                 native=tuple(data["native"]),
                 runner=None if runner is None else tuple(runner),
-                proxy=bool(data["proxy"]),
+                conduit=bool(data["conduit"]),
                 include=tuple(data["include"]),
                 exclude=tuple(data["exclude"]),
             )
@@ -118,7 +117,7 @@ class Registry:
         return Coverage(
             native=tuple(self.native),
             runner=None if self.runner is None else self.runner_classes,
-            proxy=self.fallback is not None,
+            conduit=self.fallback is not None,
             include=self.include,
             exclude=self.exclude,
         )
@@ -128,7 +127,7 @@ class Registry:
         :func:`version_key` says: what a worker announces, so that a gray migration judges
         a new side afresh once what runs it changed."""
         served = [(version_key(NATIVE, c), h) for c, h in self.native.items()]
-        served += [(t, h) for t, h in ((RUNNER, self.runner), (PROXY, self.fallback)) if h]
+        served += [(t, h) for t, h in ((RUNNER, self.runner), (CONDUIT, self.fallback)) if h]
         return {key: version for key, h in served if (version := h.version) is not None}
 
     def handler_for(self, task_class: str) -> Handler | None:
@@ -141,7 +140,7 @@ class Registry:
             handlers = {
                 NATIVE: self.native.get(task_class),
                 RUNNER: self.runner,
-                PROXY: self.fallback,
+                CONDUIT: self.fallback,
             }
             served = None if transport is None else handlers[transport]
             return self._served.setdefault(task_class, served)
@@ -149,12 +148,12 @@ class Registry:
     def php_handler_for(self, task_class: str) -> Handler | None:
         """What would serve a class without its native handler: the PHP runner when the
         class matches its globs, else the Conduit proxy, else None (no PHP path here). A
-        gray migration's native level runs the old side's share with it."""
+        gray migration's python level runs the old side's share with it."""
         try:
             return self._php[task_class]
         except KeyError:
             transport = replace(self.coverage(), native=()).transport_for(task_class)
-            handler = {RUNNER: self.runner, PROXY: self.fallback}.get(transport or "")
+            handler = {RUNNER: self.runner, CONDUIT: self.fallback}.get(transport or "")
             return self._php.setdefault(task_class, handler)
 
     def handlers(self) -> list[Handler]:

@@ -22,18 +22,10 @@ from sqlalchemy.exc import DBAPIError
 
 from bridge.canary.guard import read_windows
 from bridge.canary.store import CanaryStore, decode_state, decode_weights
-from bridge.canary.weights import (
-    LEVELS,
-    NEW,
-    OLD,
-    OPTION,
-    STATE_OPTION,
-    Canary,
-    parse_weights,
-    percent,
-)
+from bridge.canary.weights import NEW, OLD, OPTION, STATE_OPTION, Canary, parse_weights, percent
 from bridge.config import Settings
 from bridge.errors import ConfigError
+from bridge.queue.implementations import LEVELS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,8 +111,9 @@ class CanaryCollector:
     def weight(self, canary: Canary) -> GaugeMetricFamily:
         weight = GaugeMetricFamily(
             WEIGHT,
-            "Percent of the class's tasks the new side of the level runs (bridge: the "
-            "bridge, not phd; native: a native handler, not PHP), after ramp and rollback",
+            "Percent of the class's tasks the new side of the level runs (celery: the "
+            "bridge's workers, not phd; python: a native handler, not PHP), after ramp and "
+            "rollback",
             labels=["task_class", "level"],
         )
         for task_class in canary.named:

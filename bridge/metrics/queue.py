@@ -14,12 +14,13 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 
-from bridge.canary.weights import BRIDGE, Canary
+from bridge.canary.weights import Canary
 from bridge.engine.context import CanarySource, FixedCanary
 from bridge.engine.pace import MIN_COST, WINDOW, Pace
 from bridge.handlers.registry import Registry
 from bridge.queue.beat_lock import beat_lock_holder
 from bridge.queue.dialect import is_mysql
+from bridge.queue.implementations import CELERY
 from bridge.queue.model import DUE_STATES, State
 from bridge.queue.phorge_queue import PhorgeQueue
 from bridge.routing import Router
@@ -61,13 +62,13 @@ def figures_by_queue(
 
 def split_shares(rows: Sequence[Any], canary: Canary) -> tuple[list[Any], list[Any]]:
     """``PhorgeQueue.ages`` rows as the bridge's and phd's under ``canary``: a class at
-    bridge weight 0 is wholly phd's, a shared one by the rows' ``ours``."""
+    celery weight 0 is wholly phd's, a shared one by the rows' ``ours``."""
     if not canary.active:
         return list(rows), []
     bridges: list[Any] = []
     phds: list[Any] = []
     for row in rows:
-        mine = row.ours and canary.weight(row.taskClass, BRIDGE) > 0
+        mine = row.ours and canary.weight(row.taskClass, CELERY) > 0
         (bridges if mine else phds).append(row)
     return bridges, phds
 
@@ -127,7 +128,7 @@ class QueueCollector:
                 tasks.add_metric([task_class, state], count)
         yield tasks
         canary = self.canary.current()
-        shares = {name: w for name, level, w in canary.partial() if level == BRIDGE}
+        shares = {name: w for name, level, w in canary.partial() if level == CELERY}
         rows, phds = split_shares(self.queue.ages(stats.server_time, shares), canary)
         classes = {row[0] for row in rows}
         served = set(self.registry.runnable(classes))

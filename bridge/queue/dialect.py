@@ -14,6 +14,8 @@ from sqlalchemy import Connection, Engine, Integer, String, create_engine, event
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
+from bridge.queue.implementations import CELERY
+
 if TYPE_CHECKING:
     import sqlite3
 
@@ -88,12 +90,12 @@ def _mysql_owner_label(element: owner_label, compiler: SQLCompiler, **kw: Any) -
     return f"(CASE WHEN {fields} >= 5 THEN {field} END)"
 
 
-BUCKETS = 10_000  # a gray migration's buckets (``bridge.canary.weights.SCALE``)
+BUCKETS = 10_000  # a gray migration's buckets: its weights' scale (basis points)
 
 
-class bridge_bucket(FunctionElement[int]):
-    """A task id's bucket at the gray migration's ``bridge`` level, 0 to 9999:
-    ``CRC32(CONCAT('bridge:', id)) % 10000``, as PHP's ``crc32()`` and Python's
+class celery_bucket(FunctionElement[int]):
+    """A task id's bucket at the gray migration's ``celery`` level, 0 to 9999:
+    ``CRC32(CONCAT('celery:', id)) % 10000``, as PHP's ``crc32()`` and Python's
     ``zlib.crc32`` (``bridge.canary.weights.bucket``) compute it. SQLite gets ``crc32``
     as a Python function, registered on connect.
     """
@@ -102,17 +104,18 @@ class bridge_bucket(FunctionElement[int]):
     inherit_cache = True
 
 
-@compiles(bridge_bucket)
-def _sqlite_bridge_bucket(element: bridge_bucket, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"(crc32('bridge:' || {compiler.process(element.clauses, **kw)}) % {BUCKETS})"
+@compiles(celery_bucket)
+def _sqlite_celery_bucket(element: celery_bucket, compiler: SQLCompiler, **kw: Any) -> str:
+    task_id = compiler.process(element.clauses, **kw)
+    return f"(crc32('{CELERY}:' || {task_id}) % {BUCKETS})"
 
 
-@compiles(bridge_bucket, "mysql")
-@compiles(bridge_bucket, "mariadb")
-def _mysql_bridge_bucket(element: bridge_bucket, compiler: SQLCompiler, **kw: Any) -> str:
+@compiles(celery_bucket, "mysql")
+@compiles(celery_bucket, "mariadb")
+def _mysql_celery_bucket(element: celery_bucket, compiler: SQLCompiler, **kw: Any) -> str:
     # MOD(), not %: the driver's paramstyle would want the percent sign doubled.
     task_id = compiler.process(element.clauses, **kw)
-    return f"MOD(CRC32(CONCAT('bridge:', {task_id})), {BUCKETS})"
+    return f"MOD(CRC32(CONCAT('{CELERY}:', {task_id})), {BUCKETS})"
 
 
 def _crc32(text: Any) -> int | None:

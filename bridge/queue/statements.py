@@ -46,7 +46,7 @@ from sqlalchemy import (
     update,
 )
 
-from bridge.queue.dialect import bridge_bucket, db_now, owner_epoch
+from bridge.queue.dialect import celery_bucket, db_now, owner_epoch
 from bridge.queue.model import (
     RESULT_CANCELLED,
     YIELD_OWNER,
@@ -123,7 +123,7 @@ class LeaseFilter:
             and_(
                 active.c.taskClass.in_(names),
                 active.c.failureTime.is_(None),
-                bridge_bucket(active.c.id) < weight,
+                celery_bucket(active.c.id) < weight,
             )
             for weight, names in sorted(by_weight.items())
         ]
@@ -733,7 +733,7 @@ def active_ages(now: int, shares: Mapping[str, int] | None = None) -> Select[Any
         (
             and_(
                 c.taskClass.in_(names),
-                or_(c.failureTime.is_not(None), bridge_bucket(c.id) >= weight),
+                or_(c.failureTime.is_not(None), celery_bucket(c.id) >= weight),
             ),
             0,
         )

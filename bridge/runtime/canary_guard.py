@@ -28,11 +28,10 @@ from bridge.assembly import runtime
 from bridge.canary.guard import Suspicions, guard_once
 from bridge.canary.ledger import Ledger
 from bridge.canary.store import CanaryStore
-from bridge.canary.weights import NATIVE as NATIVE_LEVEL
 from bridge.canary.weights import SCALE, Canary
 from bridge.errors import DatabaseUnavailable
-from bridge.handlers.registry import NATIVE
 from bridge.metrics import GUARD_JUDGED
+from bridge.queue.implementations import NATIVE, PYTHON
 from bridge.queue.retry import is_transient
 from bridge.routing import Router
 from bridge.runtime.announce import Announcement
@@ -47,13 +46,13 @@ GUARD_ENTRY = "canary-guard"  # its name in beat's schedule
 
 def serving(canary: Canary, announced: Announcement, task_class: str, level: str) -> str | None:
     """What runs ``task_class``'s new side at ``level`` on the announcing worker: its
-    native handler at the native level; at the bridge level, the native handler where
-    the native weight gives it everything, else its PHP path."""
+    native handler at the python level; at the celery level, the native handler where
+    the python weight gives it everything, else its PHP path."""
     coverage = announced.coverage
     native = coverage.transport_for(task_class) == NATIVE
-    if level == NATIVE_LEVEL:
+    if level == PYTHON:
         return NATIVE if native else None
-    if native and canary.weight(task_class, NATIVE_LEVEL) >= SCALE:
+    if native and canary.weight(task_class, PYTHON) >= SCALE:
         return NATIVE
     return coverage.php_transport_for(task_class)
 

@@ -127,7 +127,7 @@ class Bench:
     def measure(self, s: Scenario, result: Result) -> None:
         phorgedb.truncate(self.conn)
         shared = s.settings == "canary"
-        weights = {s.workload.task_class: {"bridge": CANARY_WEIGHT / 100}} if shared else None
+        weights = {s.workload.task_class: {"celery": CANARY_WEIGHT / 100}} if shared else None
         phorgedb.set_canary(self.conn, CONFIG_DDL, weights)
         self.runner.phds_share = CANARY_WEIGHT if shared else None
         php = s.kind.startswith("php-")

@@ -62,7 +62,7 @@ def timed(action: Callable[[], object], repeats: int, between: Callable[[], None
 def run(conn: MySQLdb.Connection, url: str, ddl: Path, config_ddl: Path) -> str:
     """The report's table, measured on the bench's server (``conn``, ``url``)."""
     phorgedb.create_tables(conn, ddl)
-    phorgedb.set_canary(conn, config_ddl, {name: {"native": 20} for name in SHARED})
+    phorgedb.set_canary(conn, config_ddl, {name: {"python": 20} for name in SHARED})
     fill(conn, 0, ROWS, DAY)
     engine = create_engine(url)
     settings = load_settings({"BRIDGE_DATABASE_URL": url})

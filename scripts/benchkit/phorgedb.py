@@ -84,7 +84,7 @@ def run_phds_share(conn: MySQLdb.Connection, batch: Batch, weight: int) -> Batch
     """What the shipped daemon would take of ``batch`` at a bridge weight of ``weight``
     basis points (its rows whose bucket is not below it), archived at once as if phd had
     run them: the bench measures the bridge's share only."""
-    theirs = f"id BETWEEN %s AND %s AND MOD(CRC32(CONCAT('bridge:', id)), 10000) >= {weight}"
+    theirs = f"id BETWEEN %s AND %s AND MOD(CRC32(CONCAT('celery:', id)), 10000) >= {weight}"
     cur = conn.cursor()
     cur.execute("START TRANSACTION")
     cur.execute(f"SELECT id FROM worker_activetask WHERE {theirs}", (batch.first, batch.last))

@@ -30,8 +30,8 @@ from benchkit.runner import Runner
 SHIPPED = "PhorgeBridgeQueueDaemon"
 CONSUMERS = {  # label: (daemon, phorge-bridge.canary); "taskmaster" alone names both now
     "phd debug taskmaster": ("PhabricatorTaskmasterDaemon", None),
-    f"{SHIPPED}, all phd's": (SHIPPED, {"*": {"bridge": 0}}),
-    f"{SHIPPED}, class named": (SHIPPED, {phorge.NOOP_CLASS: {"bridge": 0}}),
+    f"{SHIPPED}, all phd's": (SHIPPED, {"*": {"celery": 0}}),
+    f"{SHIPPED}, class named": (SHIPPED, {phorge.NOOP_CLASS: {"celery": 0}}),
 }
 
 

@@ -1,4 +1,4 @@
-"""The gray migration's native level end to end (issue 28): real workers and beats on
+"""The gray migration's python level end to end (issue 28): real workers and beats on
 RabbitMQ and MariaDB, a native handler (``canary_handlers.py``) as the new side and the
 PHP runner on the stand-in Phorge as the old side, the weights in the test database's
 ``config_entry`` (where ``bin/config set --database`` would put them).
@@ -12,7 +12,7 @@ PHP runner on the stand-in Phorge as the old side, the weights in the test datab
 (c) A ramp reaches 100% while its handler is healthy, and drops to 0% when it turns bad
     mid-ramp.
 
-And a worker with no PHP path for a class it serves natively refuses a native weight below
+And a worker with no PHP path for a class it serves natively refuses a python weight below
 100 at start; a worker that cannot read the weights runs no task on the native side; a
 killed guard is alerted, and its rollback stays in sight.
 
@@ -42,7 +42,7 @@ from sqlalchemy import Engine, make_url
 
 from bridge.canary.guard import read_window
 from bridge.canary.ledger import SETTLE
-from bridge.canary.weights import NATIVE
+from bridge.queue.implementations import PYTHON
 from bridge.queue.model import RESULT_SUCCESS, label_of
 from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
@@ -126,7 +126,7 @@ def test_a_class_at_20_percent_native_runs_a_fifth_natively_each_task_once(
     make_bridge, database_url, amqp_url
 ):
     bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    set_weights(bridge.engine, {CLASS: {"python": 20}})
     worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue], concurrency=2)
     bridge.beat()
     bridge.wait_ready(worker)
@@ -137,7 +137,7 @@ def test_a_class_at_20_percent_native_runs_a_fifth_natively_each_task_once(
     natively = {task_id for task_id, label in ran_by.items() if label == "native"}
     # The ids are 1-300 every run, so the hash names the same 68 each time: the share is
     # exactly that set, not a count near a fifth.
-    named = new_side(NATIVE, 20, ids)
+    named = new_side(PYTHON, 20, ids)
     assert named and len(named) < len(ids), "both sides have tasks to run"
     assert natively == named, "the hash names the side, exactly"
     assert Counter(ran_by.values()) == {"native": len(natively), "runner": 300 - len(natively)}
@@ -148,10 +148,10 @@ def test_a_class_at_20_percent_native_runs_a_fifth_natively_each_task_once(
     assert f"{CLASS}#{some_php} [runner]: success" in log
     assert "canary rollback" not in log
     # Both sides side by side, as the guard and `phorge-bridge canary report` read them.
-    window = read_window(bridge.engine, CLASS, NATIVE, 300, 5000)
+    window = read_window(bridge.engine, CLASS, PYTHON, 300, 5000)
     assert (window.new.runs, window.new.successes) == (len(natively), len(natively))
     assert (window.old.runs, window.old.successes) == (300 - len(natively),) * 2
-    assert not rolled_back(bridge.engine, CLASS, NATIVE)
+    assert not rolled_back(bridge.engine, CLASS, PYTHON)
 
 
 def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
@@ -159,7 +159,7 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
 ):
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    set_weights(bridge.engine, {CLASS: {"python": 20}})
     queues = [bridge.default_queue, bridge.control_queue]
     failing = {"CANARY_FAIL_CLASSES": CLASS, "CANARY_FAIL_PERCENT": str(FAIL_PERCENT)}
     ports = [free_port(), free_port()]
@@ -177,7 +177,7 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     first: list[int] = []
 
     def fed_until_rolled_back() -> bool:
-        if rolled_back(bridge.engine, CLASS, NATIVE):
+        if rolled_back(bridge.engine, CLASS, PYTHON):
             return True
         if len(first) < FEED_CAP:
             first.extend(bridge.enqueue(CLASS, {}, count=FEED))
@@ -186,21 +186,21 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     wait_until(
         fed_until_rolled_back, WAIT, "the rollback", interval=FEED_EVERY, diagnose=bridge.diagnose
     )
-    tripped_at = read(bridge.engine).state.of(CLASS, NATIVE).rolled_back_at
+    tripped_at = read(bridge.engine).state.of(CLASS, PYTHON).rolled_back_at
     assert tripped_at is not None
     [tripped] = [line for line in bridge.logs().splitlines() if "canary rollback:" in line]
-    assert f"canary rollback: {CLASS} (native): new side success" in tripped
+    assert f"canary rollback: {CLASS} (python): new side success" in tripped
     assert "old side 100.0%" in tripped and "window 300 s (p = " in tripped
     # What the guard counted when it tripped, against what the stream would have failed.
     stream = range(first[0], first[0] + FEED_CAP)
-    would_fail = {i for i in new_side(NATIVE, 20, stream) if fails_on_purpose(i, FAIL_PERCENT)}
+    would_fail = {i for i in new_side(PYTHON, 20, stream) if fails_on_purpose(i, FAIL_PERCENT)}
     assert len(would_fail) >= 4 * TRIPPED_WITHIN, "the bound is well below the stream's"
     [(ratio, runs)] = TRIP.findall(tripped)
     failed = round(int(runs) * (100 - float(ratio)) / 100)
     assert 3 <= failed <= TRIPPED_WITHIN, f"tripped after {failed} of {len(would_fail)} failures"
 
     # Every worker honours it: each one runs, on PHP, tasks the hash gives the native side.
-    natively = new_side(NATIVE, 20, range(1, 10_000))
+    natively = new_side(PYTHON, 20, range(1, 10_000))
     later: list[int] = []
 
     def each_worker_ran_the_native_share_on_php() -> bool:
@@ -232,7 +232,7 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     assert len(fallbacks) == len(fell_back)
     # The metrics say it too: the rollback, and each run by who ran it.
     of_class = {"task_class": CLASS}
-    native = {**of_class, "level": "native"}
+    native = {**of_class, "level": "python"}
     assert scraped(ports[:1], "phorge_bridge_canary_rolled_back", **native) == 1
     assert scraped(ports[:1], "phorge_bridge_canary_weight", **native) == 0
     expected = {
@@ -265,10 +265,10 @@ def test_a_failing_native_handler_is_rolled_back_everywhere_and_no_task_fails(
     bridge.wait_ready(*restarted)
     before = len(native_runs(bridge))
     again = bridge.enqueue(CLASS, {}, count=100)
-    assert new_side(NATIVE, 20, again), "some of them are the native side's"
+    assert new_side(PYTHON, 20, again), "some of them are the native side's"
     assert set(labels(assert_all_succeeded(bridge, again)).values()) == {"runner"}
     assert len(native_runs(bridge)) == before
-    assert rolled_back(bridge.engine, CLASS, NATIVE)
+    assert rolled_back(bridge.engine, CLASS, PYTHON)
 
 
 def test_a_ramp_reaches_100_when_healthy_and_drops_to_0_when_the_handler_turns_bad(
@@ -278,9 +278,9 @@ def test_a_ramp_reaches_100_when_healthy_and_drops_to_0_when_the_handler_turns_b
     set_weights(
         bridge.engine,
         {
-            HEALTHY: {"ramp": {"level": "native", "steps": [10, 50, 100], "dwell": 1}},
+            HEALTHY: {"ramp": {"level": "python", "steps": [10, 50, 100], "dwell": 1}},
             # Held longer, so that the guard has the time to judge the bad step.
-            CLASS: {"ramp": {"level": "native", "steps": [10, 50, 100], "dwell": 4}},
+            CLASS: {"ramp": {"level": "python", "steps": [10, 50, 100], "dwell": 4}},
         },
     )
     flag = tmp_path / "turn-bad"
@@ -305,18 +305,18 @@ def test_a_ramp_reaches_100_when_healthy_and_drops_to_0_when_the_handler_turns_b
         return check
 
     def step(task_class: str) -> int:
-        return read(bridge.engine).state.of(task_class, NATIVE).step
+        return read(bridge.engine).state.of(task_class, PYTHON).step
 
     bridge.wait_until(feeding(lambda: step(CLASS) >= 1), WAIT, f"{CLASS}'s ramp at 50%")
-    assert step(CLASS) == 1 and not rolled_back(bridge.engine, CLASS, NATIVE)
+    assert step(CLASS) == 1 and not rolled_back(bridge.engine, CLASS, PYTHON)
     flag.touch()  # the handler turns bad mid-ramp
     bridge.wait_until(
-        feeding(lambda: rolled_back(bridge.engine, CLASS, NATIVE)), WAIT, "the bad ramp's rollback"
+        feeding(lambda: rolled_back(bridge.engine, CLASS, PYTHON)), WAIT, "the bad ramp's rollback"
     )
-    tripped_at = read(bridge.engine).state.of(CLASS, NATIVE).rolled_back_at
+    tripped_at = read(bridge.engine).state.of(CLASS, PYTHON).rolled_back_at
     assert tripped_at is not None and step(CLASS) == 1, "dropped from 50%, not past it"
     bridge.wait_until(feeding(lambda: step(HEALTHY) == 2), WAIT, f"{HEALTHY}'s ramp at 100%")
-    assert not rolled_back(bridge.engine, HEALTHY, NATIVE)
+    assert not rolled_back(bridge.engine, HEALTHY, PYTHON)
 
     # From now on: the healthy class wholly native, the bad one wholly on PHP.
     def a_batch_runs_wholly_on(task_class: str, label: str) -> bool:
@@ -344,7 +344,7 @@ def watched_at_20_percent(make_bridge: Any, database_url: str, amqp_url: str) ->
     """A deployment with the class at 20% native, one worker (the guard's too) serving
     metrics, and beat; returns it and the worker's metrics port."""
     bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    set_weights(bridge.engine, {CLASS: {"python": 20}})
     port = free_port()
     queues = [bridge.default_queue, bridge.control_queue]
     env = {"BRIDGE_METRICS_PORT": str(port)}
@@ -381,9 +381,9 @@ def test_both_sides_failing_alike_over_5000_tasks_are_not_rolled_back(
     bridge.wait_until(every_first_run_done, ALIKE_WAIT, f"{ALIKE_TASKS} tasks' first runs")
     done = time.time()
     bridge.wait_until(lambda: guard_judged_since([port], done), WAIT, "a judgement after")
-    assert not rolled_back(bridge.engine, CLASS, NATIVE)
+    assert not rolled_back(bridge.engine, CLASS, PYTHON)
     assert "canary rollback" not in bridge.logs()
-    window = read_window(bridge.engine, CLASS, NATIVE, 3600, 10_000)
+    window = read_window(bridge.engine, CLASS, PYTHON, 3600, 10_000)
     new, old = window.new, window.old
     print(
         f"\n[canary] alike: new side {new.failures} failed of {new.runs}, "
@@ -430,9 +430,9 @@ def test_an_outage_both_sides_share_for_30_s_is_not_rolled_back(
     )
     settled = time.time() + SETTLE
     bridge.wait_until(lambda: guard_judged_since([port], settled), WAIT, "a judgement after")
-    assert not rolled_back(bridge.engine, CLASS, NATIVE)
+    assert not rolled_back(bridge.engine, CLASS, PYTHON)
     assert "canary rollback" not in bridge.logs()
-    window = read_window(bridge.engine, CLASS, NATIVE, bridge.now() - down_at + 60, 10_000)
+    window = read_window(bridge.engine, CLASS, PYTHON, bridge.now() - down_at + 60, 10_000)
     new, old = window.new, window.old
     print(
         f"\n[canary] outage {up_at - down_at} s: new side {new.fallbacks} fell back of "
@@ -449,7 +449,7 @@ def test_a_native_handler_that_forgets_a_followup_is_rolled_back(
     the follow-ups each side's successes queued and rolls the class back, and no task
     fails on the way."""
     bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    set_weights(bridge.engine, {CLASS: {"python": 20}})
     queues = [bridge.default_queue, bridge.control_queue]
     worker = bridge.worker("worker", queues, concurrency=2, env={"CANARY_FORGET_FOLLOWUPS": "1"})
     bridge.beat()
@@ -458,7 +458,7 @@ def test_a_native_handler_that_forgets_a_followup_is_rolled_back(
     fed: list[int] = []
 
     def fed_until_rolled_back() -> bool:
-        if rolled_back(bridge.engine, CLASS, NATIVE):
+        if rolled_back(bridge.engine, CLASS, PYTHON):
             return True
         if len(fed) < FEED_CAP:
             fed.extend(bridge.enqueue(CLASS, data, count=FEED))
@@ -486,7 +486,7 @@ def test_a_native_weight_the_worker_cannot_honour_stops_it_at_start(
         "CanaryNative = canary_handlers:CanaryNative",
         extra=HANDLER_HELPERS,
     )
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    set_weights(bridge.engine, {CLASS: {"python": 20}})
     worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
     assert worker.wait(timeout=WAIT) == 1
     [line] = [line for line in worker.log().splitlines() if line.startswith("Error: ")]
@@ -519,7 +519,7 @@ def test_a_worker_that_cannot_read_the_weights_runs_no_new_side_task(
     the weights: it never knew them, so it runs none of its tasks and hands them back
     (no failure counted), saying why once; the other runs them all, each side its share."""
     bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 50}})
+    set_weights(bridge.engine, {CLASS: {"python": 50}})
     blind = bridge.worker(
         "blind", [bridge.default_queue], env={"BRIDGE_DATABASE_URL": worker_tables_account}
     )
@@ -530,7 +530,7 @@ def test_a_worker_that_cannot_read_the_weights_runs_no_new_side_task(
 
     ids = bridge.enqueue(CLASS, {}, count=100)
     rows = assert_all_succeeded(bridge, ids)
-    natively = new_side(NATIVE, 50, ids)
+    natively = new_side(PYTHON, 50, ids)
     assert natively and {i for i, label in labels(rows).items() if label == "native"} == natively
     log = blind.log()
     assert "[native]: success" not in log and "[runner]: success" not in log
@@ -549,8 +549,8 @@ def test_a_killed_guard_is_alerted_and_its_rollback_stays_in_sight(
     (the state row's), so PhorgeBridgeCanaryRolledBack does not resolve."""
     ports = [free_port(), free_port()]
     bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 20}, HEALTHY: {"native": 50}})
-    roll_back(bridge.engine, CLASS, NATIVE)
+    set_weights(bridge.engine, {CLASS: {"python": 20}, HEALTHY: {"python": 50}})
+    roll_back(bridge.engine, CLASS, PYTHON)
     bridge.settings["BRIDGE_METRICS_PORT"] = str(ports[0])
     control = bridge.worker("control", [bridge.control_queue])
     bridge.settings["BRIDGE_METRICS_PORT"] = str(ports[1])
@@ -573,7 +573,7 @@ def test_a_killed_guard_is_alerted_and_its_rollback_stays_in_sight(
     bridge.wait_until(lambda: alert("pending"), WAIT, "the alert on a guard gone")
     rolled = "max by (task_class, level) (phorge_bridge_canary_rolled_back) == 1"
     assert [r["metric"] for r in prometheus.query(rolled)] == [
-        {"task_class": CLASS, "level": NATIVE}
+        {"task_class": CLASS, "level": PYTHON}
     ]
     assert scraped(ports[1:], "phorge_bridge_canary_rolled_back", task_class=CLASS) == 1
 
@@ -584,7 +584,7 @@ def test_doctor_fails_a_share_that_no_live_worker_runs(make_bridge, database_url
     passes."""
     bridge = deployment(make_bridge, database_url, amqp_url)
     nobody = "NobodyRunsThisWorker"  # no native handler, outside the runner's Standin*
-    set_weights(bridge.engine, {CLASS: {"native": 20}, nobody: {"bridge": 50}})
+    set_weights(bridge.engine, {CLASS: {"python": 20}, nobody: {"celery": 50}})
     worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
     bridge.wait_ready(worker)
 
@@ -594,7 +594,7 @@ def test_doctor_fails_a_share_that_no_live_worker_runs(make_bridge, database_url
         "detail": f"{nobody} (50% for the bridge): no live worker runs it on "
         f"{bridge.default_queue}: those tasks wait",
     }
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    set_weights(bridge.engine, {CLASS: {"python": 20}})
     assert (
         bridge.doctor()["canary reach"]["detail"]
         == "1 class(es) named for the bridge, each run by a live worker"
@@ -607,14 +607,14 @@ def test_a_new_version_of_the_native_handler_is_judged_afresh(make_bridge, datab
     next version, beside the old one and then alone, starts a fresh judgement, in the
     history and in the report."""
     bridge = deployment(make_bridge, database_url, amqp_url)
-    set_weights(bridge.engine, {CLASS: {"native": 20}})
+    set_weights(bridge.engine, {CLASS: {"python": 20}})
     queues = [bridge.default_queue, bridge.control_queue]
     old = bridge.worker("worker-1", queues)
     bridge.beat("beat-1")
     bridge.wait_ready(old)
 
     def version() -> str | None:
-        return read(bridge.engine).state.of(CLASS, NATIVE).version
+        return read(bridge.engine).state.of(CLASS, PYTHON).version
 
     first, second = "canary_handlers 0", "canary_handlers 1"
     wait_until(lambda: version() == first, WAIT, "the first version", diagnose=bridge.diagnose)
@@ -640,7 +640,7 @@ def test_a_new_version_of_the_native_handler_is_judged_afresh(make_bridge, datab
     assert {event for event, _ in changes} == {"version"}
     assert changes[0][1].startswith(f"{first} -> ")
     assert changes[-1] == ("version", f"{both} -> {second}")
-    assert state.judged_since(CLASS, NATIVE) == state.history[-1].at
+    assert state.judged_since(CLASS, PYTHON) == state.history[-1].at
     report = bridge.cli("canary", "report", CLASS)
     assert report.returncode == 0, report.stderr
     assert f"new side's version: {second}, judged afresh since" in report.stdout

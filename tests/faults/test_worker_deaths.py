@@ -34,9 +34,10 @@ from kombu import Queue as KombuQueue
 from php_standin import STANDIN_ROOT, php_binary
 
 from bridge.canary.guard import read_window
-from bridge.canary.weights import BRIDGE, labelled
+from bridge.canary.weights import labelled
 from bridge.config import Settings
 from bridge.queue import Lease
+from bridge.queue.implementations import CELERY
 from bridge.queue.model import RESULT_SUCCESS
 from bridge.queue.run_locks import RunLocks
 from bridge.queue.schema import worker_archivetask as archive
@@ -193,12 +194,12 @@ def test_a_killed_worker_s_new_side_runs_of_a_shared_class_fall_back_on_redis(
     the bridge, and every task runs, once a lease."""
     lease = dispatch_lease("redis")
     bridge = make_fault_bridge(fault_database, fault_redis.url, DISPATCH_LEASE=str(lease))
-    set_weights(bridge.engine, {"FaultTask": {"bridge": 50}})
+    set_weights(bridge.engine, {"FaultTask": {"celery": 50}})
     victim, _ = fleet(bridge)
     [beat] = [process for process in bridge.processes if process.name == "beat"]
     run = fault_run(bridge)
     ids = run.queue(TASKS, duration=SECONDS)
-    ours = new_side(BRIDGE, 50, ids)
+    ours = new_side(CELERY, 50, ids)
     phds = set(ids) - ours
     assert ours and phds
     run.start()
@@ -228,14 +229,14 @@ def test_a_killed_worker_s_new_side_runs_of_a_shared_class_fall_back_on_redis(
     archived = bridge.archived(ids)
     assert archived.keys() == ours - fell
     assert {row.result for row in archived.values()} == {RESULT_SUCCESS}
-    window = read_window(bridge.engine, "FaultTask", BRIDGE, 300, 2000)
+    window = read_window(bridge.engine, "FaultTask", CELERY, 300, 2000)
     assert (window.new.runs, window.new.fallbacks) == (len(ours), len(fell))
     print(
         f"\n[fault] prefork worker on redis, a class shared at 50%: {len(fell)} new-side "
         f"run(s) fallen back {delay:.1f} s after the kill ({len(killed)} seen mid-task)"
     )
 
-    set_weights(bridge.engine, {"FaultTask": {"bridge": 100}})  # phd's work, run here
+    set_weights(bridge.engine, {"FaultTask": {"celery": 100}})  # phd's work, run here
     run.over()
     run.check()
 

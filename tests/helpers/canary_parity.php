@@ -135,8 +135,8 @@ function canary_parity_case(array $case, $decode) {
 
   $canary = PhorgeBridgeCanary::newFromValues($weights, $state);
   $levels = array(
-    PhorgeBridgeCanary::LEVEL_BRIDGE,
-    PhorgeBridgeCanary::LEVEL_NATIVE,
+    PhorgeBridgeCanary::LEVEL_CELERY,
+    PhorgeBridgeCanary::LEVEL_PYTHON,
   );
   $closed = $canary->newClosed();
   $out['named'] = $canary->getNamedClasses();
@@ -206,7 +206,7 @@ foreach ($request['reads'] as $read) {
   $canary = $reader->refresh();
   $weights = array();
   foreach ($read['classes'] as $class) {
-    foreach (array('bridge', 'native') as $level) {
+    foreach (array(PhorgeBridgeCanary::LEVEL_CELERY, PhorgeBridgeCanary::LEVEL_PYTHON) as $level) {
       $weights[$class][$level] = $canary->getWeight($class, $level);
     }
   }

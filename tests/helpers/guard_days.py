@@ -35,8 +35,8 @@ from bridge.canary.guard import (
     Window,
     verdict,
 )
-from bridge.canary.weights import NATIVE
 from bridge.config import load_settings
+from bridge.queue.implementations import PYTHON
 
 DAY = 86_400
 
@@ -124,15 +124,15 @@ def simulate(
         if key not in judged:  # the verdict is a function of the counts
             new = SideStats(runs=key[0], successes=key[0] - key[1])
             old = SideStats(runs=key[2], successes=key[2] - key[3])
-            judged[key] = verdict(Window("C", NATIVE, key[4], new, old), bounds)
+            judged[key] = verdict(Window("C", PYTHON, key[4], new, old), bounds)
         return judged[key]
 
     for i in range(seconds):
         if not suspect[i]:
-            suspicions.confirmed("C", NATIVE, None)
+            suspicions.confirmed("C", PYTHON, None)
             continue
         reason = judge(i, short, spans[0]) or judge(i, long, spans[1])
-        if suspicions.confirmed("C", NATIVE, reason):
+        if suspicions.confirmed("C", PYTHON, reason):
             end = int(t[i])
             return Day(
                 end, int(runs_new[end]), int(fails_new[end]), int(runs_new[end] + runs_old[end])

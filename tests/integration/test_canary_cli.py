@@ -16,20 +16,21 @@ import sqlalchemy as sa
 from services import url_of
 
 from bridge.canary.store import CanaryStore, decode_weights
-from bridge.canary.weights import BRIDGE, NATIVE, OPTION, with_weight
+from bridge.canary.weights import OPTION, with_weight
 from bridge.cli import doctor as checks
 from bridge.queue import PhorgeQueue, make_engine
+from bridge.queue.implementations import CELERY, PYTHON
 from bridge.queue.schema import worker_archivetask as archive
 
 FEED = "FeedPublisherHTTPWorker"
 MAIL = "ManiphestTransactionMailWorker"
 RAMPED = "PhabricatorRepositoryCommitParserWorker"
 WEIGHTS = {
-    "*": {"bridge": 0},
-    "PhabricatorSearchWorker": {"bridge": 100},
-    MAIL: {"bridge": 5},
-    FEED: {"bridge": 100, "native": 20},
-    RAMPED: {"ramp": {"level": "bridge", "steps": [1, 5, 100], "dwell": 600}},
+    "*": {"celery": 0},
+    "PhabricatorSearchWorker": {"celery": 100},
+    MAIL: {"celery": 5},
+    FEED: {"celery": 100, "python": 20},
+    RAMPED: {"ramp": {"level": "celery", "steps": [1, 5, 100], "dwell": 600}},
 }
 
 
@@ -70,14 +71,14 @@ def test_status_shows_configured_and_effective_weights(cli):
         "BACK",
     ]
     rows = status_rows(out)
-    assert rows[MAIL, BRIDGE] == ["5%", "5%", "-", "-"]
-    assert rows[MAIL, NATIVE] == ["100%", "100%", "-", "-"]
-    assert rows[FEED, NATIVE] == ["20%", "20%", "-", "-"]
-    assert rows[RAMPED, BRIDGE][:3] == ["ramp 1,5,100% (dwell 600 s)", "1%", "step 1/3 (1%)"]
-    assert out.splitlines()[-1] == "every other class: bridge 0%, native 100%"
-    assert set(status_rows(invoke("canary", "status", FEED))) == {(FEED, BRIDGE), (FEED, NATIVE)}
+    assert rows[MAIL, CELERY] == ["5%", "5%", "-", "-"]
+    assert rows[MAIL, PYTHON] == ["100%", "100%", "-", "-"]
+    assert rows[FEED, PYTHON] == ["20%", "20%", "-", "-"]
+    assert rows[RAMPED, CELERY][:3] == ["ramp 1,5,100% (dwell 600 s)", "1%", "step 1/3 (1%)"]
+    assert out.splitlines()[-1] == "every other class: celery 0%, python 100%"
+    assert set(status_rows(invoke("canary", "status", FEED))) == {(FEED, CELERY), (FEED, PYTHON)}
     shown = json.loads(invoke("canary", "status", "--json"))
-    assert shown["classes"][MAIL][BRIDGE] == {
+    assert shown["classes"][MAIL][CELERY] == {
         "configured": 5.0,
         "effective": 5.0,
         "ramp": None,
@@ -85,26 +86,26 @@ def test_status_shows_configured_and_effective_weights(cli):
         "version": None,
         "judged_since": None,
     }
-    assert shown["default"] == {"bridge": 0.0, "native": 100.0}
+    assert shown["default"] == {"celery": 0.0, "python": 100.0}
 
 
 def test_rollback_then_status_shows_zero_and_promote_clears_it(cli):
     invoke, store = cli
     out = invoke("canary", "rollback", FEED, "--reason", "feed hooks answer 500")
-    assert out == f"rolled back {FEED} (native): new side at 0% (was 20%)\n"
-    row = status_rows(invoke("canary", "status", FEED))[FEED, NATIVE]
+    assert out == f"rolled back {FEED} (python): new side at 0% (was 20%)\n"
+    row = status_rows(invoke("canary", "status", FEED))[FEED, PYTHON]
     assert row[:2] == ["20%", "0%"]
     assert row[3].startswith("since ") and row[3].endswith(": feed hooks answer 500")
-    assert store.read().weight(FEED, NATIVE) == 0
+    assert store.read().weight(FEED, PYTHON) == 0
     # Twice is harmless, and says since when.
     again = invoke("canary", "rollback", FEED)
-    assert again.startswith(f"{FEED} (native) was already rolled back since ")
+    assert again.startswith(f"{FEED} (python) was already rolled back since ")
     assert len(store.read().state.history) == 1
     # Without --level, promote finds the level it was rolled back at.
     assert invoke("canary", "promote", FEED) == (
-        f"promoted {FEED} (native): rollback cleared, new side at 20%\n"
+        f"promoted {FEED} (python): rollback cleared, new side at 20%\n"
     )
-    assert status_rows(invoke("canary", "status", FEED))[FEED, NATIVE] == ["20%", "20%", "-", "-"]
+    assert status_rows(invoke("canary", "status", FEED))[FEED, PYTHON] == ["20%", "20%", "-", "-"]
     # Nothing left to promote: an error that says why.
     assert "nothing to promote" in invoke("canary", "promote", FEED, code=1)
     events = [(e.event, e.weight, e.reason) for e in store.read().state.history]
@@ -117,16 +118,16 @@ def test_rollback_then_status_shows_zero_and_promote_clears_it(cli):
 def test_promote_moves_a_ramp_and_restarts_it_after_a_rollback(cli):
     invoke, store = cli
     assert invoke("canary", "promote", RAMPED).endswith("next ramp step, new side at 5%\n")
-    assert store.read().weight(RAMPED, BRIDGE) == 500
-    invoke("canary", "rollback", RAMPED, "--level", "bridge")
-    assert store.read().weight(RAMPED, BRIDGE) == 0
+    assert store.read().weight(RAMPED, CELERY) == 500
+    invoke("canary", "rollback", RAMPED, "--level", "celery")
+    assert store.read().weight(RAMPED, CELERY) == 0
     assert invoke("canary", "promote", RAMPED, "--reason", "fixed").endswith(
         "rollback cleared, new side at 1%\n"
     )
-    assert store.read().state.of(RAMPED, BRIDGE).step == 0
+    assert store.read().state.of(RAMPED, CELERY).step == 0
     invoke("canary", "promote", RAMPED)
     invoke("canary", "promote", RAMPED)
-    assert store.read().weight(RAMPED, BRIDGE) == 10_000
+    assert store.read().weight(RAMPED, CELERY) == 10_000
     assert "its ramp is at its last step" in invoke("canary", "promote", RAMPED, code=1)
 
 
@@ -142,8 +143,8 @@ def test_unknown_classes_and_levels_are_usage_errors(cli):
     assert "unknown class" in invoke("canary", "status", "Nope", code=2)
     # A class the option does not name, but the queue holds: it can be rolled back.
     PhorgeQueue(store.engine).enqueue("PhabricatorTestWorker", {})
-    out = invoke("canary", "rollback", "PhabricatorTestWorker", "--level", "native")
-    assert out == "rolled back PhabricatorTestWorker (native): new side at 0% (was 100%)\n"
+    out = invoke("canary", "rollback", "PhabricatorTestWorker", "--level", "python")
+    assert out == "rolled back PhabricatorTestWorker (python): new side at 0% (was 100%)\n"
 
 
 _ids = itertools.count(1)
@@ -180,7 +181,7 @@ def test_report_shows_both_sides_from_labelled_archive_rows(cli):
     invoke("canary", "rollback", FEED, "--reason", "too slow")
     shown = json.loads(invoke("canary", "report", FEED, "--json"))
     (entry,) = shown["classes"]
-    assert (entry["class"], entry["level"], entry["window"]) == (FEED, NATIVE, 300)
+    assert (entry["class"], entry["level"], entry["window"]) == (FEED, PYTHON, 300)
     assert entry["new"] == {
         "runs": 10,
         "successes": 8,
@@ -193,6 +194,7 @@ def test_report_shows_both_sides_from_labelled_archive_rows(cli):
         "ratio": 0.8,
         "followups": 0,
         "labelled_successes": 8,
+        "yield_loops": 0,
         "followups_per_success": 0.0,
     }
     old = entry["old"]
@@ -212,7 +214,7 @@ def test_report_shows_both_sides_from_labelled_archive_rows(cli):
     assert "give one" in invoke("canary", "report", "--since", "1h", "--window", "5", code=2)
 
     text = invoke("canary", "report", FEED).splitlines()
-    assert text[0] == f"{FEED} (native level), archived runs of the last 300 s"
+    assert text[0] == f"{FEED} (python level), archived runs of the last 300 s"
     header, new, old_line = (line.split() for line in text[1:4])
     assert header[:3] == ["SIDE", "RUNS", "SUCCESS"]
     assert new == [
@@ -221,12 +223,12 @@ def test_report_shows_both_sides_from_labelled_archive_rows(cli):
     assert old_line[:3] == ["old", "25", "88.0%"]
     assert text[4].startswith("weight: 0% on the new side (configured 20%), rolled back since ")
     assert text[5] == "new side's version: not announced"
-    assert text[6] == "history:" and text[7].endswith("native  rollback     0%  too slow")
+    assert text[6] == "history:" and text[7].endswith("python  rollback     0%  too slow")
     # A shorter window, and every named class without CLASS.
     assert json.loads(invoke("canary", "report", FEED, "--window", "1", "--json"))
     every = json.loads(invoke("canary", "report", "--json"))["classes"]
     assert [e["class"] for e in every] == sorted([FEED, MAIL, RAMPED, "PhabricatorSearchWorker"])
-    assert {e["class"]: e["level"] for e in every}[MAIL] == BRIDGE
+    assert {e["class"]: e["level"] for e in every}[MAIL] == CELERY
 
 
 def test_report_at_the_bridge_level_reads_phd_owners(cli):
@@ -258,21 +260,21 @@ def test_doctor_lists_the_weights_warns_of_rollbacks_and_fails_bad_weights(cli):
     check = doctor()
     assert check["status"] == "ok"
     assert check["detail"] == (
-        f"weights: {FEED} native 20% (shared); {MAIL} bridge 5% (shared); "
-        f"{RAMPED} bridge 1% (shared); PhabricatorSearchWorker 100%; "
-        "every other class: bridge 0%, native 100%"
+        f"weights: {FEED} python 20% (shared); {MAIL} celery 5% (shared); "
+        f"{RAMPED} celery 1% (shared); PhabricatorSearchWorker 100%; "
+        "every other class: celery 0%, python 100%"
     )
     invoke("canary", "rollback", FEED, "--reason", "bad hooks")
     check = doctor()
     assert check["status"] == "warn"
-    assert f"{FEED} (native) rolled back since " in check["detail"]
+    assert f"{FEED} (python) rolled back since " in check["detail"]
     assert ": bad hooks; once fixed, run `phorge-bridge canary promote " in check["detail"]
-    assert f"canary promote {FEED} --level native`" in check["detail"]
-    store._write("phorge-bridge.canary", lambda _old: '{"X": {"bridge": 500}}')
+    assert f"canary promote {FEED} --level python`" in check["detail"]
+    store._write("phorge-bridge.canary", lambda _old: '{"X": {"celery": 500}}')
     check = doctor()
     assert check["status"] == "fail"
-    assert check["detail"].startswith("phorge-bridge.canary: X.bridge: 500 is outside [0, 100]")
-    assert "phorge-bridge.canary: X.bridge" in invoke("canary", "status", code=1)
+    assert check["detail"].startswith("phorge-bridge.canary: X.celery: 500 is outside [0, 100]")
+    assert "phorge-bridge.canary: X.celery" in invoke("canary", "status", code=1)
 
 
 def test_doctor_fails_while_the_account_may_not_read_the_weights(
@@ -315,22 +317,22 @@ def raw_weights(store: CanaryStore) -> Any:
 
 def test_set_and_unset_change_one_class_and_level_and_keep_the_rest(cli):
     invoke, store = cli
-    assert invoke("canary", "set", MAIL, "25") == (f"{MAIL} (bridge): new side at 25% (was 5%)\n")
-    assert invoke("canary", "set", "HeraldWebhookWorker", "12.5", "--level", "native") == (
-        "HeraldWebhookWorker (native): new side at 12.5% (was 100%)\n"
+    assert invoke("canary", "set", MAIL, "25") == (f"{MAIL} (celery): new side at 25% (was 5%)\n")
+    assert invoke("canary", "set", "HeraldWebhookWorker", "12.5", "--level", "python") == (
+        "HeraldWebhookWorker (python): new side at 12.5% (was 100%)\n"
     )
     assert raw_weights(store) == {
         **WEIGHTS,
-        MAIL: {"bridge": 25},
-        "HeraldWebhookWorker": {"native": 12.5},
+        MAIL: {"celery": 25},
+        "HeraldWebhookWorker": {"python": 12.5},
     }
-    # Left out, a class's bridge level is the default's: naming it at native kept it on phd.
-    assert store.read().weight("HeraldWebhookWorker", BRIDGE) == 0
+    # Left out, a class's celery level is the default's: naming it at python kept it on phd.
+    assert store.read().weight("HeraldWebhookWorker", CELERY) == 0
     assert invoke("canary", "unset", MAIL) == (
-        f"{MAIL} (bridge): new side at 0% (was 25%)\n{MAIL} (native): new side at 100% (was 100%)\n"
+        f"{MAIL} (celery): new side at 0% (was 25%)\n{MAIL} (python): new side at 100% (was 100%)\n"
     )
-    invoke("canary", "unset", FEED, "--level", "native")
-    assert raw_weights(store)[FEED] == {"bridge": 100}
+    invoke("canary", "unset", FEED, "--level", "python")
+    assert raw_weights(store)[FEED] == {"celery": 100}
     assert MAIL not in raw_weights(store)
 
 
@@ -339,7 +341,7 @@ def test_set_and_unset_change_one_class_and_level_and_keep_the_rest(cli):
     [
         ((FEED, "50"), f"{FEED}: only one level may be shared at a time"),
         (("*", "50"), "*: the default weights are 0 or 100, without a ramp or guard"),
-        ((RAMPED, "50"), f"{RAMPED}: its ramp sets the bridge weight (unset it first)"),
+        ((RAMPED, "50"), f"{RAMPED}: its ramp sets the celery weight (unset it first)"),
     ],
 )
 def test_set_refuses_in_one_line_what_cannot_be_honoured(cli, args, refusal):
@@ -362,30 +364,30 @@ def test_concurrent_edits_lose_nothing(cli, mysql_engine):
 
     def edit(task_class: str) -> None:
         other = CanaryStore(make_engine(url_of(mysql_engine)), None)
-        other.edit_weights(lambda value: with_weight(value, task_class, BRIDGE, 1))
+        other.edit_weights(lambda value: with_weight(value, task_class, CELERY, 1))
         other.engine.dispose()
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(edit, classes))
-    assert {c: raw_weights(store)[c] for c in classes} == {c: {"bridge": 1} for c in classes}
+    assert {c: raw_weights(store)[c] for c in classes} == {c: {"celery": 1} for c in classes}
     assert raw_weights(store)[MAIL] == WEIGHTS[MAIL]
 
 
 def test_pause_holds_a_ramp_and_resume_restarts_its_dwell(cli):
     invoke, store = cli
     out = invoke("canary", "pause", RAMPED)
-    assert out.startswith(f"paused the ramp of {RAMPED} (bridge): step 1/3 (1%) since ")
+    assert out.startswith(f"paused the ramp of {RAMPED} (celery): step 1/3 (1%) since ")
     assert out.endswith(", paused\n")
-    assert store.read().state.of(RAMPED, BRIDGE).paused
+    assert store.read().state.of(RAMPED, CELERY).paused
     assert invoke("canary", "pause", RAMPED, code=1) == (
-        f"Error: {RAMPED} (bridge): its ramp is already paused\n"
+        f"Error: {RAMPED} (celery): its ramp is already paused\n"
     )
     assert "ramp 1,5,100% (dwell 600 s)" in invoke("canary", "status", RAMPED)
-    assert status_rows(invoke("canary", "status", RAMPED))[RAMPED, BRIDGE][2].endswith(", paused")
+    assert status_rows(invoke("canary", "status", RAMPED))[RAMPED, CELERY][2].endswith(", paused")
     out = invoke("canary", "resume", RAMPED)
-    assert out.startswith(f"resumed the ramp of {RAMPED} (bridge): step 1/3 (1%) since ")
-    assert not store.read().state.of(RAMPED, BRIDGE).paused
+    assert out.startswith(f"resumed the ramp of {RAMPED} (celery): step 1/3 (1%) since ")
+    assert not store.read().state.of(RAMPED, CELERY).paused
     assert [e.event for e in store.read().state.history] == ["pause", "resume"]
     assert invoke("canary", "pause", MAIL, code=1) == (
-        f"Error: {MAIL} has no ramp at the bridge level to pause\n"
+        f"Error: {MAIL} has no ramp at the celery level to pause\n"
     )

@@ -11,17 +11,18 @@ from canary import new_side
 from services import url_of
 from sqlalchemy import BigInteger, select, text, update
 
-from bridge.canary.weights import BRIDGE, NATIVE, SCALE, bucket, canary_of
+from bridge.canary.weights import SCALE, bucket, canary_of
 from bridge.config import load_settings
 from bridge.engine.batch import run_task
 from bridge.engine.context import FixedCanary, Runtime
 from bridge.engine.sides import archive_owner
 from bridge.handlers.api import Handler, TaskContext, TemporaryFailure
-from bridge.handlers.capabilities import RUNNER, TransportHandler
+from bridge.handlers.capabilities import TransportHandler
 from bridge.handlers.registry import Registry
 from bridge.queue import Lease, NewTask, Outcome, PhorgeQueue
 from bridge.queue import statements as sql
-from bridge.queue.dialect import bridge_bucket
+from bridge.queue.dialect import celery_bucket
+from bridge.queue.implementations import CELERY, PYTHON, RUNNER
 from bridge.queue.model import MAX_NAME, label_of
 from bridge.queue.phorge_queue import RangeSizes
 from bridge.queue.schema import worker_activetask as active
@@ -40,7 +41,7 @@ def q(mysql_queue: PhorgeQueue) -> PhorgeQueue:
 
 
 def test_the_servers_crc32_bucket_is_pythons_for_10000_ids(q: PhorgeQueue):
-    """``CRC32(CONCAT('bridge:', id)) % 10000`` in SQL, ``zlib.crc32`` in Python (and
+    """``CRC32(CONCAT('celery:', id)) % 10000`` in SQL, ``zlib.crc32`` in Python (and
     PHP's ``crc32()``, bridge.canary.weights): one bucket per id, byte for byte."""
     digits = " UNION ALL ".join(f"SELECT {d} AS d" for d in range(10))
     crossed = " CROSS JOIN ".join(f"({digits}) AS {name}" for name in "abcd")
@@ -48,9 +49,9 @@ def test_the_servers_crc32_bucket_is_pythons_for_10000_ids(q: PhorgeQueue):
     edges = " UNION ALL ".join(f"SELECT {n}" for n in (0, 2**31, 2**32 - 1))
     every = text(f"{ids.text} UNION ALL {edges}").columns(n=BigInteger).subquery()
     with q.engine.connect() as conn:
-        rows = conn.execute(select(every.c.n, bridge_bucket(every.c.n))).all()
+        rows = conn.execute(select(every.c.n, celery_bucket(every.c.n))).all()
     assert len(rows) == 10_003
-    assert {int(n): b for n, b in rows} == {int(n): bucket(BRIDGE, int(n)) for n, _ in rows}
+    assert {int(n): b for n, b in rows} == {int(n): bucket(CELERY, int(n)) for n, _ in rows}
 
 
 @pytest.mark.parametrize("path", ["small classes (taskClass)", "large classes (key_owner)"])
@@ -71,7 +72,7 @@ def test_the_lease_takes_exactly_the_bridges_share_in_both_phases(q: PhorgeQueue
     owner, leased = q.lease_to_send(5000, "bridge", 60, [CLASS, OTHER], 8192, shares={CLASS: 3000})
     never_failed = [i for i in ids if i not in failed]
     got = {t.id for t in leased}
-    assert got == new_side(BRIDGE, 30, never_failed) | set(others)
+    assert got == new_side(CELERY, 30, never_failed) | set(others)
     assert got & set(expired), "the expired phase took its share too"
     with q.engine.connect() as conn:
         held = set(conn.execute(select(active.c.id).where(active.c.leaseOwner == owner)).scalars())
@@ -137,9 +138,9 @@ def runtime(q: PhorgeQueue, canary: Any) -> tuple[Runtime, Native]:
 
 
 def test_archive_rows_are_labelled_with_who_ran_them(q: PhorgeQueue):
-    rt, native = runtime(q, canary_of({CLASS: {"native": 50}}, None))
+    rt, native = runtime(q, canary_of({CLASS: {"python": 50}}, None))
     ids = q.enqueue_many([NewTask(CLASS, {})] * 60)
-    natively = new_side(NATIVE, 50, ids)
+    natively = new_side(PYTHON, 50, ids)
     native.failing = set(sorted(natively)[:5])
     tasks = {t.id: t for t in q.lease(len(ids), 600)}
     reports = {i: run_task(rt, tasks[i].lease, task_class=CLASS) for i in ids}

@@ -21,9 +21,7 @@ import sqlalchemy as sa
 from bridge.canary.guard import Suspicions, guard_lock, guard_once
 from bridge.canary.store import CanaryStore, CanaryView, config_database
 from bridge.canary.weights import (
-    BRIDGE,
     CLOSED,
-    NATIVE,
     NO_CANARY,
     OPTION,
     SCALE,
@@ -34,6 +32,7 @@ from bridge.canary.weights import (
 from bridge.config import load_settings
 from bridge.errors import ConfigError
 from bridge.queue import make_engine
+from bridge.queue.implementations import CELERY, PYTHON
 from bridge.queue.schema import worker_archivetask as archive
 
 PHID = re.compile(r"PHID-CONF-[a-z2-7]{20}")
@@ -71,9 +70,9 @@ def test_no_rows_is_no_canary(store):
 
 def test_rows_are_as_phorge_writes_them(store, mysql_engine):
     before = db_now(mysql_engine)
-    weights = {"*": {"bridge": 0}, "ManiphestTransactionMailWorker": {"bridge": 5}}
+    weights = {"*": {"celery": 0}, "ManiphestTransactionMailWorker": {"celery": 5}}
     store.set_weights(weights)
-    store.change_state(lambda s: s.with_rollback("FeedPublisherHTTPWorker", NATIVE, 7, "bad"))
+    store.change_state(lambda s: s.with_rollback("FeedPublisherHTTPWorker", PYTHON, 7, "bad"))
     found = {row["configKey"]: row for row in rows(mysql_engine)}
     assert set(found) == {OPTION, STATE_OPTION}
     for row in found.values():
@@ -84,7 +83,7 @@ def test_rows_are_as_phorge_writes_them(store, mysql_engine):
     state = json.loads(found[STATE_OPTION]["value"])
     assert state["classes"] == {
         "FeedPublisherHTTPWorker": {
-            "native": {"step": 0, "step_since": None, "rolled_back": {"at": 7, "reason": "bad"}}
+            "python": {"step": 0, "step_since": None, "rolled_back": {"at": 7, "reason": "bad"}}
         }
     }
     # PHP decodes both values (PhabricatorConfigEntry's SERIALIZATION_JSON).
@@ -101,16 +100,16 @@ def test_rows_are_as_phorge_writes_them(store, mysql_engine):
 
 
 def test_round_trip(store):
-    store.set_weights({"C": {"ramp": {"level": "native", "steps": [1, 50], "dwell": 30}}})
-    written = store.change_state(lambda s: s.with_step("C", NATIVE, 100, 1, 50.0))
+    store.set_weights({"C": {"ramp": {"level": "python", "steps": [1, 50], "dwell": 30}}})
+    written = store.change_state(lambda s: s.with_step("C", PYTHON, 100, 1, 50.0))
     canary = store.read()
     assert canary.state == written
-    assert canary.weight("C", NATIVE) == 5000
-    rolled = store.change_state(lambda s: s.with_rollback("C", NATIVE, 200, "why"))
-    assert store.read().state == rolled and store.read().weight("C", NATIVE) == 0
+    assert canary.weight("C", PYTHON) == 5000
+    rolled = store.change_state(lambda s: s.with_rollback("C", PYTHON, 200, "why"))
+    assert store.read().state == rolled and store.read().weight("C", PYTHON) == 0
     # A second write updates the row in place.
-    store.set_weights({"C": {"native": 20}})
-    assert store.read().weight("C", NATIVE) == 0  # still rolled back
+    store.set_weights({"C": {"python": 20}})
+    assert store.read().weight("C", PYTHON) == 0  # still rolled back
     assert len(rows(store.engine)) == 2
 
 
@@ -120,37 +119,37 @@ def test_a_change_that_changes_nothing_writes_nothing(store, mysql_engine):
 
 
 def test_bad_values_name_the_option(store, mysql_engine):
-    with pytest.raises(ConfigError, match=r"phorge-bridge\.canary: C\.native"):
-        store.set_weights({"C": {"native": 200}})
+    with pytest.raises(ConfigError, match=r"phorge-bridge\.canary: C\.python"):
+        store.set_weights({"C": {"python": 200}})
     assert rows(mysql_engine) == []
     # What `bin/config set --database` would accept (it is a "wild" option): refused on read.
-    store._write(OPTION, lambda _old: '{"C": {"native": 200}}')
-    with pytest.raises(ConfigError, match=r"phorge-bridge\.canary: C\.native"):
+    store._write(OPTION, lambda _old: '{"C": {"python": 200}}')
+    with pytest.raises(ConfigError, match=r"phorge-bridge\.canary: C\.python"):
         store.read()
     store._write(OPTION, lambda _old: "{not json")
     with pytest.raises(ConfigError, match=r"phorge-bridge\.canary: not JSON"):
         store.read()
     store._write(OPTION, lambda _old: "[]")
-    store._write(STATE_OPTION, lambda _old: '{"classes": {"C": {"native": {"step": "x"}}}}')
+    store._write(STATE_OPTION, lambda _old: '{"classes": {"C": {"python": {"step": "x"}}}}')
     with pytest.raises(ConfigError, match=r"phorge-bridge\.canary-state: not the bridge's state"):
         store.read()
     with pytest.raises(ConfigError, match="canary-state"):
-        store.change_state(lambda s: s.with_rollback("C", NATIVE, 1, "no"))
+        store.change_state(lambda s: s.with_rollback("C", PYTHON, 1, "no"))
 
 
 def test_a_deleted_option_is_absent_and_comes_back_in_its_row(store, mysql_engine):
-    store.set_weights({"C": {"bridge": 5}})
-    store.change_state(lambda s: s.with_rollback("C", BRIDGE, 1, "x"))
+    store.set_weights({"C": {"celery": 5}})
+    store.change_state(lambda s: s.with_rollback("C", CELERY, 1, "x"))
     # `bin/config delete --database`: isDeleted 1, the value null.
     with mysql_engine.begin() as conn:
         conn.exec_driver_sql("UPDATE config_entry SET isDeleted = 1, value = 'null'")
     assert store.read() == NO_CANARY
     (before,) = [r for r in rows(mysql_engine) if r["configKey"] == STATE_OPTION]
-    store.change_state(lambda s: s.with_rollback("D", NATIVE, 2, "y"))
+    store.change_state(lambda s: s.with_rollback("D", PYTHON, 2, "y"))
     (after,) = [r for r in rows(mysql_engine) if r["configKey"] == STATE_OPTION]
     assert (after["id"], after["phid"], after["isDeleted"]) == (before["id"], before["phid"], 0)
     state = store.read().state
-    assert not state.of("C", BRIDGE).rolled_back and state.of("D", NATIVE).rolled_back
+    assert not state.of("C", CELERY).rolled_back and state.of("D", PYTHON).rolled_back
 
 
 def lock_waits(engine: sa.Engine) -> int:
@@ -171,7 +170,7 @@ def lock_waits(engine: sa.Engine) -> int:
 @pytest.mark.parametrize("first_row", [False, True], ids=["insert-race", "existing-row"])
 def test_two_writers_lose_nothing(store, mysql_engine, first_row):
     if first_row:
-        store.change_state(lambda s: s.with_rollback("Old", BRIDGE, 1, "before"))
+        store.change_state(lambda s: s.with_rollback("Old", CELERY, 1, "before"))
     other = CanaryStore(make_engine(store.engine.url.render_as_string(hide_password=False)), None)
     a_inside, b_called = threading.Event(), threading.Event()
 
@@ -179,11 +178,11 @@ def test_two_writers_lose_nothing(store, mysql_engine, first_row):
         a_inside.set()
         # Hold the row (or the gap) until B has read it too, or waits for it.
         wait_until(lambda: b_called.is_set() or lock_waits(mysql_engine), "B to meet A's lock")
-        return state.with_rollback("A", NATIVE, 10, "a")
+        return state.with_rollback("A", PYTHON, 10, "a")
 
     def change_b(state: CanaryState) -> CanaryState:
         b_called.set()
-        return state.with_rollback("B", BRIDGE, 20, "b")
+        return state.with_rollback("B", CELERY, 20, "b")
 
     with ThreadPoolExecutor(2) as pool:
         a = pool.submit(store.change_state, change_a)
@@ -191,7 +190,7 @@ def test_two_writers_lose_nothing(store, mysql_engine, first_row):
         b = pool.submit(other.change_state, change_b)
         a.result(TIMEOUT), b.result(TIMEOUT)
     state = store.read().state
-    assert state.of("A", NATIVE).rolled_back and state.of("B", BRIDGE).rolled_back
+    assert state.of("A", PYTHON).rolled_back and state.of("B", CELERY).rolled_back
     assert sorted(e.task_class for e in state.history) == sorted(
         ["A", "B", *(["Old"] if first_row else [])]
     )
@@ -235,18 +234,18 @@ def test_the_config_table_is_beside_the_worker_database(mysql_server, namespace)
     store = CanaryStore.for_settings(engine, settings)
     assert store.database == f"{namespace}_config"
     assert store.table_name == f"{namespace}_config.config_entry"
-    store.set_weights({"C": {"bridge": 50}})
-    store.change_state(lambda s: s.with_rollback("C", BRIDGE, 1, "x"))
-    assert store.read().weight("C", BRIDGE) == 0
+    store.set_weights({"C": {"celery": 50}})
+    store.change_state(lambda s: s.with_rollback("C", CELERY, 1, "x"))
+    assert store.read().weight("C", CELERY) == 0
     assert len(rows(engine, f"`{namespace}_config`.config_entry")) == 2
     # BRIDGE_CANARY_DATABASE names another.
     other = CanaryStore.for_settings(
         engine, load_settings({"BRIDGE_CANARY_DATABASE": f"{namespace}_other"})
     )
     assert other.read() == NO_CANARY
-    other.set_weights({"C": {"native": 5}})
-    assert other.read().weight("C", NATIVE) == 500
-    assert store.read().weight("C", NATIVE) == 10_000
+    other.set_weights({"C": {"python": 5}})
+    assert other.read().weight("C", PYTHON) == 500
+    assert store.read().weight("C", PYTHON) == 10_000
     engine.dispose()
 
 
@@ -262,33 +261,33 @@ def test_mysql_crc32_agrees_with_the_bucket(mysql_engine):
     with mysql_engine.connect() as conn:
         found = conn.execute(
             sa.text(
-                "SELECT MOD(CRC32(CONCAT('bridge:', n)), 10000), MOD(CRC32(CONCAT('native:', n)),"
+                "SELECT MOD(CRC32(CONCAT('celery:', n)), 10000), MOD(CRC32(CONCAT('python:', n)),"
                 " 10000) FROM (SELECT seq AS n FROM seq_1_to_2000) ids ORDER BY n"
             )
         ).all()
     assert [tuple(row) for row in found] == [
-        (bucket(BRIDGE, n), bucket(NATIVE, n)) for n in range(1, 2001)
+        (bucket(CELERY, n), bucket(PYTHON, n)) for n in range(1, 2001)
     ]
 
 
 def test_a_view_caches_and_keeps_the_last_good_value(store, caplog):
-    store.set_weights({"C": {"native": 20}})
+    store.set_weights({"C": {"python": 20}})
     view = CanaryView(store, refresh=3600)
-    assert view.current().weight("C", NATIVE) == 2000
-    store.set_weights({"C": {"native": 30}})
-    assert view.current().weight("C", NATIVE) == 2000  # within refresh
+    assert view.current().weight("C", PYTHON) == 2000
+    store.set_weights({"C": {"python": 30}})
+    assert view.current().weight("C", PYTHON) == 2000  # within refresh
     view.refresh = 0
-    assert view.current().weight("C", NATIVE) == 3000
-    store._write(OPTION, lambda _old: '{"C": {"native": 300}}')
+    assert view.current().weight("C", PYTHON) == 3000
+    store._write(OPTION, lambda _old: '{"C": {"python": 300}}')
     caplog.set_level(logging.WARNING, logger="bridge.canary")
-    assert view.current().weight("C", NATIVE) == 3000
-    assert view.current().weight("C", NATIVE) == 3000
+    assert view.current().weight("C", PYTHON) == 3000
+    assert view.current().weight("C", PYTHON) == 3000
     (line,) = [r for r in caplog.records]
-    assert line.levelno == logging.ERROR and "phorge-bridge.canary: C.native" in line.getMessage()
-    store.set_weights({"C": {"native": 40}})
-    assert view.current().weight("C", NATIVE) == 4000
+    assert line.levelno == logging.ERROR and "phorge-bridge.canary: C.python" in line.getMessage()
+    store.set_weights({"C": {"python": 40}})
+    assert view.current().weight("C", PYTHON) == 4000
     # Refused values before any good read: no new side at all (the worker's start stops).
-    store._write(OPTION, lambda _old: '{"C": {"native": 300}}')
+    store._write(OPTION, lambda _old: '{"C": {"python": 300}}')
     assert CanaryView(store, 1).current() == CLOSED
 
 
@@ -310,10 +309,10 @@ def test_a_view_that_cannot_read_fails_closed(store, config_only_account, mysql_
     """A revoked grant: the shared classes go wholly to their old side, a rollback stays,
     the classes wholly moved stay moved; said once; the grant back, the weights are back."""
     name, reader = config_only_account
-    store.set_weights({"Shared": {"bridge": 20}, "Native": {"native": 50}, "Moved": {}})
+    store.set_weights({"Shared": {"celery": 20}, "Native": {"python": 50}, "Moved": {}})
     view = CanaryView(reader, refresh=0)
     good = view.current()
-    assert (good.weight("Shared", BRIDGE), good.weight("Native", NATIVE)) == (2000, 5000)
+    assert (good.weight("Shared", CELERY), good.weight("Native", PYTHON)) == (2000, 5000)
     grant = f"SELECT ON `{store.engine.url.database}`.config_entry"
     with mysql_server.begin() as conn:
         conn.exec_driver_sql(f"REVOKE {grant} FROM '{name}'@'127.0.0.1'")
@@ -321,8 +320,8 @@ def test_a_view_that_cannot_read_fails_closed(store, config_only_account, mysql_
     for _ in range(3):
         closed = view.current()
         assert closed == good.closed()
-        assert (closed.weight("Shared", BRIDGE), closed.weight("Native", NATIVE)) == (0, 0)
-        assert closed.weight("Moved", BRIDGE) == closed.weight("Moved", NATIVE) == SCALE
+        assert (closed.weight("Shared", CELERY), closed.weight("Native", PYTHON)) == (0, 0)
+        assert closed.weight("Moved", CELERY) == closed.weight("Moved", PYTHON) == SCALE
     (line,) = caplog.records
     assert "no task of a shared class runs on the new side" in line.getMessage()
     assert "1142" in line.getMessage()  # MySQL's own words: SELECT command denied
@@ -358,7 +357,7 @@ def archived(engine: sa.Engine, owner: str, first_id: int, count: int) -> None:
 
 def test_one_guard_at_a_time(store, mysql_engine):
     settings = load_settings({"BRIDGE_OWNER_PREFIX": f"g{secrets.token_hex(3)}"})
-    store.set_weights({"C": {"native": 20}})
+    store.set_weights({"C": {"python": 20}})
     archived(mysql_engine, "bridge:native:1:1:h:1", 1, 20)
     archived(mysql_engine, "bridge:runner-fallback:1:1:h:1", 100, 10)
     archived(mysql_engine, "bridge:runner:1:1:h:1", 200, 100)
@@ -368,6 +367,6 @@ def test_one_guard_at_a_time(store, mysql_engine):
             assert second is None
         # another guard holds it
         assert guard_once(store, store.engine, settings, Suspicions(1)) == []
-    assert store.read().weight("C", NATIVE) == 2000
-    assert guard_once(store, store.engine, settings, Suspicions(1)) == ["rollback C (native)"]
-    assert store.read().weight("C", NATIVE) == 0
+    assert store.read().weight("C", PYTHON) == 2000
+    assert guard_once(store, store.engine, settings, Suspicions(1)) == ["rollback C (python)"]
+    assert store.read().weight("C", PYTHON) == 0

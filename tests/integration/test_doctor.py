@@ -372,7 +372,7 @@ def test_a_share_for_phd_needs_a_live_queue_daemon_under_its_unit(phorge, doctor
     store = CanaryStore(phorge, phorge.url.database)
     mail = "ManiphestTransactionMailWorker"
     store.set_weights(
-        {"*": {"bridge": 0}, "PhabricatorSearchWorker": {"bridge": 100}, mail: {"bridge": 25}}
+        {"*": {"celery": 0}, "PhabricatorSearchWorker": {"celery": 100}, mail: {"celery": 25}}
     )
     share = f"{mail} 75%, every class not named"
     unit = "systemctl enable --now phorge-bridge-queue-daemon@1 (docs/gray-migration.md)"
@@ -406,7 +406,7 @@ def test_a_share_for_phd_needs_a_live_queue_daemon_under_its_unit(phorge, doctor
         "ok",
         f"2 PhorgeBridgeQueueDaemon running for phd's share: {share} (1 under its unit){ignored}",
     )
-    store.set_weights({"*": {"bridge": 100}, mail: {"native": 50}})
+    store.set_weights({"*": {"celery": 100}, mail: {"python": 50}})
     _, checks = doctor()
     assert checks["old side"]["detail"] == (
         "the weights leave phd nothing: no PhorgeBridgeQueueDaemon needed"

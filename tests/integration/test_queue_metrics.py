@@ -11,13 +11,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import update
 
-from bridge.canary.weights import BRIDGE, bucket, canary_of
+from bridge.canary.weights import bucket, canary_of
 from bridge.engine.context import FixedCanary
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.registry import Registry
 from bridge.metrics.queue import QueueCollector
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.beat_lock import BeatLock
+from bridge.queue.implementations import CELERY
 from bridge.queue.model import NewTask
 from bridge.queue.schema import worker_activetask as active
 from bridge.routing import Router
@@ -114,9 +115,9 @@ def test_under_a_gray_migration_the_queue_counts_only_the_bridges_share(queue):
     mails = queue.enqueue_many([NewTask(MAIL)] * 3)
     now = queue.server_time()
     age(queue, mails[0], dateCreated=now - 700)
-    failed = next(i for i in searches if bucket(BRIDGE, i) < 5000)
+    failed = next(i for i in searches if bucket(CELERY, i) < 5000)
     age(queue, failed, failureTime=now - 5)  # failed once: phd's for good
-    canary = canary_of({"*": {"bridge": 0}, SEARCH: {"bridge": 50}}, None)
+    canary = canary_of({"*": {"celery": 0}, SEARCH: {"celery": 50}}, None)
     registry = CollectorRegistry()
     router = Router(((SEARCH, "search"), (MAIL, "mail")), "phorge")
     registry.register(QueueCollector(queue, Registry([Noop()]), router, canary=FixedCanary(canary)))
@@ -124,7 +125,7 @@ def test_under_a_gray_migration_the_queue_counts_only_the_bridges_share(queue):
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, labels)
 
-    ours = [i for i in searches if bucket(BRIDGE, i) < 5000 and i != failed]
+    ours = [i for i in searches if bucket(CELERY, i) < 5000 and i != failed]
     assert 0 < len(ours) < 40
     assert value("phorge_bridge_queue_due_tasks", queue="search") == len(ours)
     assert value("phorge_bridge_queue_due_tasks", queue="mail") == 0

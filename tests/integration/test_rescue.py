@@ -17,12 +17,13 @@ from services import url_of
 from sqlalchemy import Engine, select
 
 from bridge.canary.guard import read_window
-from bridge.canary.weights import BRIDGE, bucket, canary_of
+from bridge.canary.weights import bucket, canary_of
 from bridge.config import load_settings
 from bridge.engine.context import FixedCanary, Runtime
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
 from bridge.queue import Lease, PhorgeQueue, make_engine
+from bridge.queue.implementations import CELERY
 from bridge.queue.model import Leased, NewTask
 from bridge.queue.run_locks import RunLocks
 from bridge.queue.schema import worker_activetask as active
@@ -136,8 +137,8 @@ def test_a_dead_consumer_s_new_side_runs_of_a_shared_class_fall_back(
     rollback sent it there meanwhile) is handed back; a live new-side run is left alone."""
     queue.enqueue_many([NewTask(CLASS, {}) for _ in range(12)])
     owner, items = queue.lease_to_send(12, "bridge", 300, [CLASS], 1024)
-    rt.canary = FixedCanary(canary_of({CLASS: {"bridge": 50}}, None))
-    ours = {item.id for item in items if bucket(BRIDGE, item.id) < 5000}
+    rt.canary = FixedCanary(canary_of({CLASS: {"celery": 50}}, None))
+    ours = {item.id for item in items if bucket(CELERY, item.id) < 5000}
     assert 0 < len(ours) < len(items)
     live = next(item for item in items if item.id in ours)
     app = Celery(broker=broker)
@@ -169,7 +170,7 @@ def test_a_dead_consumer_s_new_side_runs_of_a_shared_class_fall_back(
         row = rows[task_id]
         assert row.leaseOwner is None and row.failureCount == 0
         assert (row.failureTime is not None) == (task_id in fell), task_id
-    window = read_window(queue.engine, CLASS, BRIDGE, 300, 2000)
+    window = read_window(queue.engine, CLASS, CELERY, 300, 2000)
     assert (window.new.runs, window.new.fallbacks) == (len(fell), len(fell))
 
 

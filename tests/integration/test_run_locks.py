@@ -11,7 +11,7 @@ from services import url_of
 from sqlalchemy import Engine, select, text, update
 
 from bridge.canary.guard import read_window
-from bridge.canary.weights import BRIDGE, bucket, canary_of
+from bridge.canary.weights import bucket, canary_of
 from bridge.config import load_settings
 from bridge.engine.batch import RUNNING_ELSEWHERE, Batch
 from bridge.engine.context import FixedCanary, Runtime
@@ -20,6 +20,7 @@ from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Registry
 from bridge.queue import Lease, Outcome, PhorgeQueue, make_engine
 from bridge.queue import statements as sql
+from bridge.queue.implementations import CELERY
 from bridge.queue.model import Leased, NewTask
 from bridge.queue.phorge_queue import STRANDED_AFTER
 from bridge.queue.run_locks import RunLocks
@@ -97,8 +98,8 @@ def test_a_new_side_run_that_died_falls_back_and_counts_as_the_new_sides_failure
     good (failureTime set, no failure counted) and the guard's window counts each as a
     fallback; phd's rows (a rollback sent them there meanwhile) are handed back."""
     owner, items = leased(rt, 20)
-    rt.canary = FixedCanary(canary_of({CLASS: {"bridge": 50}}, None))
-    ours = {item.id for item in items if bucket(BRIDGE, item.id) < 5000}
+    rt.canary = FixedCanary(canary_of({CLASS: {"celery": 50}}, None))
+    ours = {item.id for item in items if bucket(CELERY, item.id) < 5000}
     assert 0 < len(ours) < len(items)
     redelivery = hand_back_redelivered(rt, owner, items)
     assert sorted(redelivery.handed_back) == sorted(item.id for item in items)
@@ -110,7 +111,7 @@ def test_a_new_side_run_that_died_falls_back_and_counts_as_the_new_sides_failure
         row = rows[item.id]
         assert row.leaseOwner is None and row.failureCount == 0
         assert (row.failureTime is not None) == (item.id in ours), item.id
-    window = read_window(rt.queue.engine, CLASS, BRIDGE, 300, 2000)
+    window = read_window(rt.queue.engine, CLASS, CELERY, 300, 2000)
     assert (window.new.runs, window.new.fallbacks) == (len(ours), len(ours))
 
 

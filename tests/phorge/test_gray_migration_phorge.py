@@ -54,16 +54,9 @@ from phorge_daemon import DAEMON, daemon
 from phorge_env import HookReceiver, hook_receiver, php_server
 
 from bridge.canary.guard import read_window
-from bridge.canary.weights import (
-    BRIDGE,
-    NATIVE,
-    SCALE,
-    STATE_OPTION,
-    LevelState,
-    bucket,
-    label_parts,
-)
+from bridge.canary.weights import SCALE, STATE_OPTION, LevelState, bucket, label_parts
 from bridge.config import load_settings
+from bridge.queue.implementations import CELERY, PYTHON
 from bridge.queue.model import label_of
 from bridge.runtime.daemon_console import BEAT as BEAT_DAEMON
 from bridge.runtime.daemon_console import WORKER as WORKER_DAEMON
@@ -141,8 +134,8 @@ def test_phd_and_the_bridge_share_maniphest_publishing_at_50_percent(
 ) -> None:
     lab = fresh
     # The publisher shared; what it queues stays with phd, as while moving class by class.
-    lab.set_weights({PUBLISH: {"bridge": 50}, SEARCH: {"bridge": 0}, FEED: {"bridge": 0},
-                     MAIL: {"bridge": 0}, HOOK: {"bridge": 0}})  # fmt: skip
+    lab.set_weights({PUBLISH: {"celery": 50}, SEARCH: {"celery": 0}, FEED: {"celery": 0},
+                     MAIL: {"celery": 0}, HOOK: {"celery": 0}})  # fmt: skip
     bridge = make(
         lab.url,
         amqp_url,
@@ -177,7 +170,7 @@ def test_phd_and_the_bridge_share_maniphest_publishing_at_50_percent(
     publish = {i: r for i, r in rows.items() if r["taskClass"] == PUBLISH}
     assert sorted(r["objectPHID"] for r in publish.values()) == sorted(phids)
     assert all(r["result"] == 0 and r["failureCount"] == 0 for r in rows.values()), show()
-    bridges = {i for i in publish if bucket(BRIDGE, i) < HALF}
+    bridges = {i for i in publish if bucket(CELERY, i) < HALF}
     phds = set(publish) - bridges
     assert len(bridges) >= 2 and len(phds) >= 2, (bridges, phds)
     # By the side the hash names, each once: the archive's owner, the daemon's leases and
@@ -267,7 +260,7 @@ HONOURED_WITHIN = 5.0  # the issue's target: every process honours a rollback wi
 
 
 def bridge_hashed(ids: set[int]) -> set[int]:
-    return {i for i in ids if bucket(BRIDGE, i) < HALF}
+    return {i for i in ids if bucket(CELERY, i) < HALF}
 
 
 def test_a_broken_bridge_is_rolled_back_and_phd_takes_the_class(
@@ -275,8 +268,8 @@ def test_a_broken_bridge_is_rolled_back_and_phd_takes_the_class(
 ) -> None:
     lab = fresh
     # The indexer shared, the rest of the chain phd's.
-    lab.set_weights({SEARCH: {"bridge": 50}, PUBLISH: {"bridge": 0}, FEED: {"bridge": 0},
-                     MAIL: {"bridge": 0}, HOOK: {"bridge": 0}})  # fmt: skip
+    lab.set_weights({SEARCH: {"celery": 50}, PUBLISH: {"celery": 0}, FEED: {"celery": 0},
+                     MAIL: {"celery": 0}, HOOK: {"celery": 0}})  # fmt: skip
     bridge = make(
         lab.url,
         amqp_url,
@@ -295,7 +288,7 @@ def test_a_broken_bridge_is_rolled_back_and_phd_takes_the_class(
     # The guard judges what it reads in its windows: none of it may be an earlier run's
     # (a quick re-run of the module waits for the last one's bridge runs to age out).
     poll(
-        lambda: read_window(lab.worker, SEARCH, BRIDGE, WINDOW, 500).new.runs == 0,
+        lambda: read_window(lab.worker, SEARCH, CELERY, WINDOW, 500).new.runs == 0,
         "no bridge run of the class in the guard's window",
         timeout=WINDOW + 5,
         interval=0.5,
@@ -330,7 +323,7 @@ def test_a_broken_bridge_is_rolled_back_and_phd_takes_the_class(
         worker = start_bridge(bridge)  # broken: each of its runs raises
 
         def rolled_back() -> LevelState | None:
-            state = lab.store.read().state.of(SEARCH, BRIDGE)
+            state = lab.store.read().state.of(SEARCH, CELERY)
             return state if state.rolled_back else None
 
         state = poll(pair_up(rolled_back, d, show), "the guard's rollback", diagnose=show)
@@ -393,11 +386,11 @@ def test_a_broken_bridge_is_rolled_back_and_phd_takes_the_class(
     assert all(done_effects(e) and e["indexed"] == 1 for e in effects.values())
     # The rollback as Phorge reads it (its config stack), and the ERROR line.
     shown = lab.config(STATE_OPTION)
-    rolled = shown["classes"][SEARCH][BRIDGE]["rolled_back"]
+    rolled = shown["classes"][SEARCH][CELERY]["rolled_back"]
     assert rolled["at"] == state.rolled_back_at
     assert rolled["reason"].startswith("new side success 0.0 percent over "), rolled
     assert [e["event"] for e in shown["history"] if e["class"] == SEARCH] == ["rollback"]
-    assert f"canary rollback: {SEARCH} (bridge): new side success 0.0%" in bridge.logs()
+    assert f"canary rollback: {SEARCH} (celery): new side success 0.0%" in bridge.logs()
     assert worker.running()
     print(f"\nrolled back after {len(fell_back)} fallbacks of {len(queued)} queued rows "
           f"({rolled['reason']}; the last began {last_run:+.1f} s from the trip's second); "
@@ -431,7 +424,7 @@ def test_native_feed_hooks_at_50_percent_post_what_phorge_posts(
 ) -> None:
     lab = fresh
     hooks = [f"{receiver.base}/hook/a", f"{receiver.base}/hook/b"]
-    lab.set_weights({HOOK: {"native": 50}})
+    lab.set_weights({HOOK: {"python": 50}})
     base_uri = str(lab.env["baseURI"]).rstrip("/")
     with lab.local_option(HOOKS_OPTION, hooks), php_server(lab.phorge.root, base_uri, tmp_path):
         bridge = make(
@@ -472,7 +465,7 @@ def test_native_feed_hooks_at_50_percent_post_what_phorge_posts(
     side: dict[tuple[int, str], str] = {}
     for i, row in hook_rows.items():
         label = label_of(row["leaseOwner"])
-        assert label == ("native" if bucket(NATIVE, i) < HALF else "runner"), (i, row)
+        assert label == ("native" if bucket(PYTHON, i) < HALF else "runner"), (i, row)
         story = story_of[str(data[i]["key"])]
         side[(story["id"], data[i]["uri"])] = label
     assert set(side) == {(s, uri) for s in by_id for uri in hooks}

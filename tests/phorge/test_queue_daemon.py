@@ -36,10 +36,11 @@ from phorge_env import Phorge, phorge_root, worker_database_url
 from phorge_php import HELPER as INTEROP_HELPER
 from phorge_php import InteropPHP
 
-from bridge.canary.weights import BRIDGE, NATIVE, OPTION, SCALE, STATE_OPTION, bucket, canary_of
+from bridge.canary.weights import OPTION, SCALE, STATE_OPTION, bucket, canary_of
 from bridge.errors import ConfigError
 from bridge.phorge.extension import install
 from bridge.queue.beat_lock import BeatLock
+from bridge.queue.implementations import CELERY, PYTHON
 
 WORKER = "PhorgeBridgeDaemonTestWorker"
 OTHER = "PhorgeBridgeDaemonOtherTestWorker"  # the sentinel class: always the daemon's
@@ -63,7 +64,7 @@ switch ($command) {
     break;
   case 'canary':
     // Per case: the effective weights of the classes named, the ids the new side takes
-    // at the bridge level (failureTime NULL, then set), and the rows the daemon's SQL
+    // at the celery level (failureTime NULL, then set), and the rows the daemon's SQL
     // condition gives the old side; or the error.
     $table = new PhabricatorWorkerActiveTask();
     $conn = $table->establishConnection('w');
@@ -83,14 +84,15 @@ switch ($command) {
       $takes = array();
       $values = array();
       foreach ($case['classes'] as $class) {
-        foreach (array('bridge', 'native') as $level) {
+        $levels = array(PhorgeBridgeCanary::LEVEL_CELERY, PhorgeBridgeCanary::LEVEL_PYTHON);
+        foreach ($levels as $level) {
           $weights[$class][$level] = $canary->getWeight($class, $level);
         }
         foreach (array(null, 1) as $failure) {
           $key = $failure === null ? 'fresh' : 'failed';
           $takes[$class][$key] = array();
           for ($id = 1; $id <= $args['ids']; $id++) {
-            if ($canary->takes('bridge', $class, $id, $failure)) {
+            if ($canary->takes(PhorgeBridgeCanary::LEVEL_CELERY, $class, $id, $failure)) {
               $takes[$class][$key][] = $id;
             }
             $values[] = qsprintf($conn, '(%d, %s, %nd)', $id, $class, $failure);
@@ -233,17 +235,17 @@ def untouched(row: dict[str, Any]) -> bool:
 
 def test_php_buckets_are_pythons_and_sqls_and_20_percent_is_a_fifth(lab: Lab) -> None:
     ids = range(1, 10_001)
-    php = lab.call("buckets", level=BRIDGE, first=ids[0], last=ids[-1])
-    assert php == [bucket(BRIDGE, i) for i in ids]
-    assert lab.call("buckets", level=NATIVE, first=1, last=500) == [
-        bucket(NATIVE, i) for i in range(1, 501)
+    php = lab.call("buckets", level=CELERY, first=ids[0], last=ids[-1])
+    assert php == [bucket(CELERY, i) for i in ids]
+    assert lab.call("buckets", level=PYTHON, first=1, last=500) == [
+        bucket(PYTHON, i) for i in range(1, 501)
     ]
     digits = (
         "(SELECT 0 d UNION ALL " + " UNION ALL ".join(f"SELECT {n}" for n in range(1, 10)) + ")"
     )
     sql = lab.sql(
         "SELECT 1 + a.d + 10 * b.d + 100 * c.d + 1000 * e.d AS id,"
-        " MOD(CRC32(CONCAT('bridge:', 1 + a.d + 10 * b.d + 100 * c.d + 1000 * e.d)), 10000)"
+        " MOD(CRC32(CONCAT('celery:', 1 + a.d + 10 * b.d + 100 * c.d + 1000 * e.d)), 10000)"
         f" FROM {digits} a, {digits} b, {digits} c, {digits} e ORDER BY id"
     )
     assert [int(row[1]) for row in sql] == php
@@ -256,53 +258,53 @@ CASES: list[dict[str, Any]] = [
     {"weights": [], "state": []},
     {
         "weights": {
-            "*": {"bridge": 0},
-            "A": {"bridge": 100},
-            "B": {"bridge": 5},
-            "C": {"native": 50},
-            "D": {"ramp": {"level": "bridge", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
-            "E": {"bridge": 12.345},
-            "F": {"bridge": 0.125},  # 12.5 bp: half to even, as Python's round()
-            "G": {"bridge": 20},
+            "*": {"celery": 0},
+            "A": {"celery": 100},
+            "B": {"celery": 5},
+            "C": {"python": 50},
+            "D": {"ramp": {"level": "celery", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
+            "E": {"celery": 12.345},
+            "F": {"celery": 0.125},  # 12.5 bp: half to even, as Python's round()
+            "G": {"celery": 20},
         },
         "state": {
             "classes": {
-                "D": {"bridge": {"step": 2, "step_since": 1700000000}},
-                "G": {"bridge": {"rolled_back": {"at": 1700000000, "reason": "guard"}}},
-                "H": {"bridge": {"rolled_back": {"at": 1700000001, "reason": "cli"}}},
-                "B": {"native": {"rolled_back": {"at": 1700000002, "reason": "x"}}},
+                "D": {"celery": {"step": 2, "step_since": 1700000000}},
+                "G": {"celery": {"rolled_back": {"at": 1700000000, "reason": "guard"}}},
+                "H": {"celery": {"rolled_back": {"at": 1700000001, "reason": "cli"}}},
+                "B": {"python": {"rolled_back": {"at": 1700000002, "reason": "x"}}},
             },
             "history": [
-                {"at": 1, "class": "G", "level": "bridge", "event": "rollback", "weight": 0}
+                {"at": 1, "class": "G", "level": "celery", "event": "rollback", "weight": 0}
             ],
         },
     },
     {
-        "weights": {"A": {"bridge": 50}, "D": {"ramp": {"level": "bridge", "steps": [10, 30]}}},
+        "weights": {"A": {"celery": 50}, "D": {"ramp": {"level": "celery", "steps": [10, 30]}}},
         "state": {
             "classes": {
-                "D": {"bridge": {"step": 7, "rolled_back": None}},
-                "A": {"bridge": {"rolled_back": {"at": None}}},
-                "X": {"bridge": {"rolled_back": {"at": 5}}},
+                "D": {"celery": {"step": 7, "rolled_back": None}},
+                "A": {"celery": {"rolled_back": {"at": None}}},
+                "X": {"celery": {"rolled_back": {"at": 5}}},
             }
         },
     },
-    {"weights": {"*": {"bridge": 100, "native": 0}, "B": {"bridge": 30}}, "state": None},
+    {"weights": {"*": {"celery": 100, "python": 0}, "B": {"celery": 30}}, "state": None},
     # Refused alike.
-    {"weights": {"*": {"bridge": 50}}, "state": None},
-    {"weights": {"A": {"bridge": 50, "native": 20}}, "state": None},
-    {"weights": {"A": {"bridge": 101}}, "state": None},
-    {"weights": {"A": {"bridge": True}}, "state": None},
-    {"weights": {"A": {"bridge": None}}, "state": None},
+    {"weights": {"*": {"celery": 50}}, "state": None},
+    {"weights": {"A": {"celery": 50, "python": 20}}, "state": None},
+    {"weights": {"A": {"celery": 101}}, "state": None},
+    {"weights": {"A": {"celery": True}}, "state": None},
+    {"weights": {"A": {"celery": None}}, "state": None},
     {"weights": {"A": {"web": 5}}, "state": None},
-    {"weights": {"A": {"ramp": {"level": "bridge", "steps": [5, 5]}}}, "state": None},
-    {"weights": {"A": {"ramp": {"level": "bridge", "steps": [0, 5]}}}, "state": None},
+    {"weights": {"A": {"ramp": {"level": "celery", "steps": [5, 5]}}}, "state": None},
+    {"weights": {"A": {"ramp": {"level": "celery", "steps": [0, 5]}}}, "state": None},
     {"weights": {"A": {"ramp": {"level": "web", "steps": [5]}}}, "state": None},
-    {"weights": {"A": {"ramp": {"level": "bridge", "steps": [5], "dwell": 0}}}, "state": None},
-    {"weights": {"A": {"bridge": 5, "ramp": {"level": "bridge", "steps": [5]}}}, "state": None},
+    {"weights": {"A": {"ramp": {"level": "celery", "steps": [5], "dwell": 0}}}, "state": None},
+    {"weights": {"A": {"celery": 5, "ramp": {"level": "celery", "steps": [5]}}}, "state": None},
     {"weights": {"A": 5}, "state": None},
     {"weights": [1, 2], "state": None},
-    {"weights": None, "state": {"classes": {"A": {"bridge": {"step": None}}}}},
+    {"weights": None, "state": {"classes": {"A": {"celery": {"step": None}}}}},
     {"weights": None, "state": {"history": [{"at": 1}]}},
 ]
 CLASSES = ["A", "B", "C", "D", "E", "F", "G", "H", "X", "Unnamed"]
@@ -313,10 +315,10 @@ def python_answer(case: dict[str, Any], ids: int) -> dict[str, Any]:
         canary = canary_of(case["weights"], case["state"])
     except (ConfigError, ValueError) as exc:
         return {"error": str(exc)}
-    weights = {c: {lv: canary.weight(c, lv) for lv in (BRIDGE, NATIVE)} for c in CLASSES}
+    weights = {c: {lv: canary.weight(c, lv) for lv in (CELERY, PYTHON)} for c in CLASSES}
     takes = {
         c: {
-            key: [i for i in range(1, ids + 1) if canary.takes(BRIDGE, c, i, failure)]
+            key: [i for i in range(1, ids + 1) if canary.takes(CELERY, c, i, failure)]
             for key, failure in (("fresh", None), ("failed", 1))
         }
         for c in CLASSES
@@ -347,14 +349,14 @@ def test_php_weights_and_choices_are_pythons_and_the_sql_gives_phd_the_rest(lab:
 
 
 def test_bin_config_knows_the_options_and_refuses_bad_weights(lab: Lab) -> None:
-    done = lab.phorge.bin("config", "set", "--database", OPTION, '{"X": {"bridge": 250}}')
+    done = lab.phorge.bin("config", "set", "--database", OPTION, '{"X": {"celery": 250}}')
     assert done.returncode != 0
-    assert "phorge-bridge.canary: X.bridge: 250 is outside [0, 100]" in done.stdout + done.stderr
-    lab.set_weights({WORKER: {"bridge": 40}})
+    assert "phorge-bridge.canary: X.celery: 250 is outside [0, 100]" in done.stdout + done.stderr
+    lab.set_weights({WORKER: {"celery": 40}})
     shown = lab.phorge.bin("config", "get", OPTION)
     assert shown.returncode == 0, shown.stderr
     values = {entry["source"]: entry["value"] for entry in json.loads(shown.stdout)["config"]}
-    assert values["database"] == {WORKER: {"bridge": 40}}
+    assert values["database"] == {WORKER: {"celery": 40}}
     listed = lab.phorge.bin("config", "list")
     assert OPTION in listed.stdout and STATE_OPTION in listed.stdout
     launchable = lab.phorge.bin("phd", "list")
@@ -366,7 +368,7 @@ def test_bin_config_knows_the_options_and_refuses_bad_weights(lab: Lab) -> None:
 
 def test_at_weight_0_the_daemon_runs_every_row_and_goes_on_past_a_failure(fresh: Lab) -> None:
     lab = fresh
-    lab.set_weights({WORKER: {"bridge": 0}, OTHER: {"bridge": 0}})
+    lab.set_weights({WORKER: {"celery": 0}, OTHER: {"celery": 0}})
     failing = lab.schedule([(WORKER, {"fail": True}, {})])
     ids = lab.schedule(noop(20) + noop(5, OTHER))
     with daemon(lab) as d:
@@ -391,7 +393,7 @@ def test_at_weight_0_the_daemon_runs_every_row_and_goes_on_past_a_failure(fresh:
 
 def test_at_weight_100_the_daemon_runs_none_even_failed_rows(fresh: Lab) -> None:
     lab = fresh
-    lab.set_weights({WORKER: {"bridge": 100}, OTHER: {"bridge": 0}})
+    lab.set_weights({WORKER: {"celery": 100}, OTHER: {"celery": 0}})
     # The bridge's rows first in the queue (a smaller priority runs first): the daemon
     # reaches the sentinel's rows only past them.
     mine = lab.schedule(noop(10, priority=1000))
@@ -407,7 +409,7 @@ def test_at_weight_100_the_daemon_runs_none_even_failed_rows(fresh: Lab) -> None
 
 def test_at_50_percent_the_daemon_runs_exactly_the_old_share(fresh: Lab) -> None:
     lab = fresh
-    lab.set_weights({WORKER: {"bridge": 50}, OTHER: {"bridge": 0}})
+    lab.set_weights({WORKER: {"celery": 50}, OTHER: {"celery": 0}})
     ids = lab.schedule(noop(60, priority=1000))
     fallback, failed = ids[:4], ids[4:8]  # fell back from the bridge; failed on phd before
     lab.sql(
@@ -419,7 +421,7 @@ def test_at_50_percent_the_daemon_runs_exactly_the_old_share(fresh: Lab) -> None
     )
     sentinel = lab.schedule(noop(3, OTHER, priority=3000))
     sticky = set(fallback + failed)
-    old = {i for i in ids if i in sticky or bucket(BRIDGE, i) >= SCALE // 2}
+    old = {i for i in ids if i in sticky or bucket(CELERY, i) >= SCALE // 2}
     assert 10 < len(old - sticky) < 46  # both sides have rows
     with daemon(lab) as d:
         wait_for(lambda: len(lab.archived([*old, *sentinel])) == len(old) + 3, "phd's share", d)
@@ -435,7 +437,7 @@ def test_at_50_percent_the_daemon_runs_exactly_the_old_share(fresh: Lab) -> None
 
 def test_the_daemon_leases_in_phorges_phases_and_order_and_honours_delays(fresh: Lab) -> None:
     lab = fresh
-    lab.set_weights({WORKER: {"bridge": 0}})
+    lab.set_weights({WORKER: {"celery": 0}})
     priorities = [3000, 1000, 2000, 1000, 4000, 2000]
     new = lab.schedule([(WORKER, {"n": n}, {"priority": p}) for n, p in enumerate(priorities)])
     expired = lab.schedule(noop(4, priority=1))  # phase 2 despite the smallest priority
@@ -479,21 +481,21 @@ def test_the_daemon_leases_in_phorges_phases_and_order_and_honours_delays(fresh:
 
 def test_a_rollback_hands_the_class_to_the_daemon_within_5_s(fresh: Lab) -> None:
     lab = fresh
-    lab.set_weights({WORKER: {"bridge": 50}})
+    lab.set_weights({WORKER: {"celery": 50}})
     ids = lab.schedule(noop(30))
     with daemon(lab) as d:
-        old = [i for i in ids if bucket(BRIDGE, i) >= SCALE // 2]
+        old = [i for i in ids if bucket(CELERY, i) >= SCALE // 2]
         wait_for(lambda: len(lab.archived(ids)) == len(old), "phd's share archived", d)
         # A bad value (not JSON) is logged, and the weights in force stay: phd's share of
         # new rows is run, the bridge's left alone.
-        lab.write_option(OPTION, '{"PhorgeBridgeDaemonTestWorker": {"bridge": 0')
+        lab.write_option(OPTION, '{"PhorgeBridgeDaemonTestWorker": {"celery": 0')
         wait_for(lambda: "ignoring the value" in d.output(), "the bad value logged", d)
         ids += lab.schedule(noop(30))
-        old = [i for i in ids if bucket(BRIDGE, i) >= SCALE // 2]
+        old = [i for i in ids if bucket(CELERY, i) >= SCALE // 2]
         wait_for(lambda: len(lab.archived(ids)) == len(old), "phd's share of the new rows", d)
         bridges = lab.schedule(noop(10, OTHER))  # not named: 100%, the bridge's
         state = {
-            "classes": {WORKER: {BRIDGE: {"rolled_back": {"at": 1, "reason": "test"}}}},
+            "classes": {WORKER: {CELERY: {"rolled_back": {"at": 1, "reason": "test"}}}},
             "history": [],
         }
         written = time.monotonic()
@@ -540,7 +542,7 @@ def test_phorges_setup_issues_know_the_shipped_daemon_and_the_bridge(
     issue of its own; with Phorge's daemon check ignored, nothing running the queue is
     still one, and a bridge beat (the holder of its beat lock) or the daemon ends it."""
     lab = fresh
-    lab.set_weights({WORKER: {"bridge": 50}})
+    lab.set_weights({WORKER: {"celery": 50}})
     issues = lab.call("setup-issues")
     assert issues[PHORGES] is True, "ignored: the bridge's own check stands in"
     assert issues[OLD_SIDE] is False and issues[NOTHING] is False
@@ -556,7 +558,7 @@ def test_phorges_setup_issues_know_the_shipped_daemon_and_the_bridge(
         wait_for(lambda: lab.sql(running, d=DAEMON) != [], "the daemon's heartbeat", d)
         issues = lab.call("setup-issues")
     assert OLD_SIDE not in issues and NOTHING not in issues
-    lab.set_weights({WORKER: {"bridge": 100}})
+    lab.set_weights({WORKER: {"celery": 100}})
     assert OLD_SIDE not in lab.call("setup-issues"), "no share for phd: no daemon needed"
 
 
@@ -567,10 +569,10 @@ def test_a_daemon_that_cannot_read_the_weights_takes_the_whole_shared_class(
     grant would), the daemon runs the bridge's half of a class shared at 50% too, said
     once; the rows of a class wholly the bridge's it leaves alone."""
     lab = fresh
-    lab.set_weights({WORKER: {"bridge": 50}})
+    lab.set_weights({WORKER: {"celery": 50}})
     ids = lab.schedule(noop(30))
     bridges = lab.schedule(noop(5, OTHER))  # not named: 100%, the bridge's
-    ours = [i for i in ids if bucket(BRIDGE, i) < SCALE // 2]
+    ours = [i for i in ids if bucket(CELERY, i) < SCALE // 2]
     assert 0 < len(ours) < len(ids)
     table = f"`{lab.config_db}`.config_entry"
     with daemon(lab) as d:
@@ -619,7 +621,7 @@ def test_the_units_daemon_lists_itself_and_outlives_phd_restart_and_stop(
     through ``bin/phd restart`` (which starts phd's other daemons), ``stop`` and
     ``start``, and stops on the unit's stop signal, marked exited."""
     lab = fresh
-    lab.set_weights({WORKER: {"bridge": 0}, OTHER: {"bridge": 0}})
+    lab.set_weights({WORKER: {"celery": 0}, OTHER: {"celery": 0}})
     with unit_daemon(lab) as d:
         wait_for(lambda: d.daemon_pid() is not None, "the unit's shell to start the daemon", d)
         pid = d.daemon_pid()

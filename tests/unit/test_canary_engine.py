@@ -21,15 +21,7 @@ from sqlalchemy import literal, select, update
 from sqlalchemy.dialects import mysql
 
 from bridge.assembly import check_canary
-from bridge.canary.weights import (
-    BRIDGE,
-    FALLBACK,
-    LABEL_ROOM,
-    NATIVE,
-    SCALE,
-    bucket,
-    canary_of,
-)
+from bridge.canary.weights import FALLBACK, LABEL_ROOM, SCALE, bucket, canary_of
 from bridge.config import load_settings
 from bridge.engine.batch import Batch, run_task
 from bridge.engine.context import FixedCanary, Runtime, open_runtime
@@ -46,13 +38,14 @@ from bridge.handlers.api import (
     Yield,
 )
 from bridge.handlers.availability import Availability
-from bridge.handlers.capabilities import CONDUIT, RUNNER, BatchHandler, TransportHandler
+from bridge.handlers.capabilities import BatchHandler, TransportHandler
 from bridge.handlers.outcome import HandlerResult
 from bridge.handlers.registry import Registry
 from bridge.metrics import RunMetrics
 from bridge.queue import Lease, NewTask, Outcome
 from bridge.queue import statements as sql
-from bridge.queue.dialect import bridge_bucket, make_engine
+from bridge.queue.dialect import celery_bucket, make_engine
+from bridge.queue.implementations import CELERY, CONDUIT, PYTHON, RUNNER
 from bridge.queue.model import (
     LABEL_ROOM as QUEUE_LABEL_ROOM,
 )
@@ -195,11 +188,11 @@ def test_the_poll_leases_the_rows_whose_bucket_is_below_the_weight_and_none_that
     others = rt.queue.enqueue_many([NewTask(OTHER, {})] * 20)
     failed = ids[::10]  # failed or fell back once: phd's for good, at any weight below 100
     set_failed(rt, failed)
-    set_weights(rt.queue.engine, {CLASS: {"bridge": percent}})
+    set_weights(rt.queue.engine, {CLASS: {"celery": percent}})
     sent = Sent()
     poll_once(rt, sent)
     never_failed = [i for i in ids if i not in failed]
-    expected = {0: set(), 50: new_side(BRIDGE, 50, never_failed), 100: set(ids)}[percent]
+    expected = {0: set(), 50: new_side(CELERY, 50, never_failed), 100: set(ids)}[percent]
     assert set(sent.ids) - set(others) == expected
     assert set(others) <= set(sent.ids), "a class no canary names is the bridge's wholly"
     if percent == 50:
@@ -211,7 +204,7 @@ def test_with_the_canary_off_the_weights_are_never_read(tmp_path: Path):
     rt = open_runtime(settings_for(tmp_path, CANARY="false"), registry)
     assert rt.canary == FixedCanary()
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 10)
-    set_weights(rt.queue.engine, {CLASS: {"bridge": 0}})
+    set_weights(rt.queue.engine, {CLASS: {"celery": 0}})
     sent = Sent()
     poll_once(rt, sent)
     assert sorted(sent.ids) == ids
@@ -227,7 +220,7 @@ def test_the_share_is_read_through_the_lease_filter_in_both_phases(tmp_path: Pat
     owner, leased = rt.queue.lease_to_send(
         1000, "bridge", 60, [CLASS, OTHER], 8192, shares={CLASS: 2500}
     )
-    assert {t.id for t in leased} == new_side(BRIDGE, 25, ids)
+    assert {t.id for t in leased} == new_side(CELERY, 25, ids)
     assert owner.startswith("bridge:")
 
 
@@ -246,7 +239,7 @@ def test_a_shared_class_keeps_its_index_hint_and_adds_the_bucket():
     where = sql.LeaseFilter(["A", "B", "C"], small_classes=frozenset({"B"}), shares={"B": 5000})
     text = compiled(sql.select_unleased(16, where))
     assert "FORCE INDEX (taskClass)" in text and "FORCE INDEX (key_owner)" in text
-    assert text.count("MOD(CRC32(CONCAT('bridge:', worker_activetask.id)), 10000) < %s") == 1
+    assert text.count("MOD(CRC32(CONCAT('celery:', worker_activetask.id)), 10000) < %s") == 1
     assert text.count("`failureTime` IS NULL") == 1
     shared_large = sql.LeaseFilter(["A", "C"], shares={"C": 100})
     text = compiled(sql.select_expired(16, shared_large))
@@ -255,7 +248,7 @@ def test_a_shared_class_keeps_its_index_hint_and_adds_the_bucket():
         "(worker_activetask.`taskClass` IN (__[POSTCOMPILE_taskClass_1]) OR "
         "worker_activetask.`taskClass` IN (__[POSTCOMPILE_taskClass_2]) AND "
         "worker_activetask.`failureTime` IS NULL AND "
-        "MOD(CRC32(CONCAT('bridge:', worker_activetask.id)), 10000) < %s)"
+        "MOD(CRC32(CONCAT('celery:', worker_activetask.id)), 10000) < %s)"
     ) in text
 
 
@@ -301,8 +294,8 @@ def test_sqlites_bucket_is_pythons(tmp_path: Path):
     engine = make_engine(f"sqlite:///{tmp_path}/b.db")
     ids = [*range(1, 300), 2**31, 4_000_000_000]
     with engine.connect() as conn:
-        buckets = {n: conn.execute(select(bridge_bucket(literal(n)))).scalar_one() for n in ids}
-    assert buckets == {n: bucket(BRIDGE, n) for n in ids}
+        buckets = {n: conn.execute(select(celery_bucket(literal(n)))).scalar_one() for n in ids}
+    assert buckets == {n: bucket(CELERY, n) for n in ids}
     engine.dispose()
 
 
@@ -312,10 +305,10 @@ def test_sqlites_bucket_is_pythons(tmp_path: Path):
 def test_a_native_class_at_50_runs_natively_by_the_hash_and_on_php_otherwise(tmp_path: Path):
     native, runner = Native(), Runner()
     rt = runtime(tmp_path, native, runner=runner)
-    set_weights(rt.queue.engine, {CLASS: {"native": 50}})
+    set_weights(rt.queue.engine, {CLASS: {"python": 50}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 200)
     reports = run_each(rt, lease_all(rt, ids), ids)
-    natively = new_side(NATIVE, 50, ids)
+    natively = new_side(PYTHON, 50, ids)
     assert set(native.ran) == natively and 70 < len(natively) < 130
     assert set(runner.ran) == set(ids) - natively
     rows = archived(rt, ids)
@@ -330,7 +323,7 @@ def test_a_native_class_at_50_runs_natively_by_the_hash_and_on_php_otherwise(tmp
 def test_a_row_that_fell_back_runs_on_php_even_in_the_native_share(tmp_path: Path):
     native, runner = Native(), Runner()
     rt = runtime(tmp_path, native, runner=runner)
-    set_weights(rt.queue.engine, {CLASS: {"native": 100 - 0.01}})
+    set_weights(rt.queue.engine, {CLASS: {"python": 100 - 0.01}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 20)
     set_failed(rt, ids[:10])  # fell back: failureTime, no failure counted
     set_failed(rt, ids[10:15], count=2)  # failed on PHP before
@@ -345,8 +338,8 @@ def test_a_row_that_fell_back_runs_on_php_even_in_the_native_share(tmp_path: Pat
 def test_a_rolled_back_native_class_runs_wholly_on_php(tmp_path: Path):
     native, runner = Native(), Runner()
     rt = runtime(tmp_path, native, runner=runner)
-    set_weights(rt.queue.engine, {CLASS: {"ramp": {"level": "native", "steps": [50, 100]}}})
-    roll_back(rt.queue.engine, CLASS, NATIVE)
+    set_weights(rt.queue.engine, {CLASS: {"ramp": {"level": "python", "steps": [50, 100]}}})
+    roll_back(rt.queue.engine, CLASS, PYTHON)
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 30)
     run_each(rt, lease_all(rt, ids), ids)
     assert native.ran == [] and sorted(runner.ran) == ids
@@ -359,14 +352,14 @@ def test_a_row_no_longer_the_bridges_is_handed_back_to_phd(tmp_path: Path, how: 
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
     owner = lease_all(rt, ids)  # sent before the weights changed
     if how == "weight 0":
-        set_weights(rt.queue.engine, {"*": {"bridge": 0}})
+        set_weights(rt.queue.engine, {"*": {"celery": 0}})
     elif how == "rolled back":
-        set_weights(rt.queue.engine, {CLASS: {"bridge": 50}})
-        roll_back(rt.queue.engine, CLASS, BRIDGE)
+        set_weights(rt.queue.engine, {CLASS: {"celery": 50}})
+        roll_back(rt.queue.engine, CLASS, CELERY)
     else:
-        set_weights(rt.queue.engine, {CLASS: {"bridge": 50}})
+        set_weights(rt.queue.engine, {CLASS: {"celery": 50}})
     reports = run_each(rt, owner, ids)
-    kept = new_side(BRIDGE, 50, ids) if how == "outside the share" else set()
+    kept = new_side(CELERY, 50, ids) if how == "outside the share" else set()
     assert set(native.ran) == kept
     back = [i for i in ids if i not in kept]
     assert {reports[i].outcome for i in back} == {Outcome.HANDED_BACK}
@@ -387,9 +380,9 @@ def test_a_failed_native_run_falls_back_and_php_runs_it(
 ):
     native, runner = Native(how=how), Runner()
     rt = runtime(tmp_path, native, runner=runner)
-    set_weights(rt.queue.engine, {CLASS: {"native": 50}})
+    set_weights(rt.queue.engine, {CLASS: {"python": 50}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 20)
-    ids_native = new_side(NATIVE, 50, ids)
+    ids_native = new_side(PYTHON, 50, ids)
     native.failing = ids_native
     owner = lease_all(rt, ids)
     with caplog.at_level(logging.INFO, logger="bridge.engine.batch"):
@@ -419,9 +412,9 @@ def test_a_failed_native_run_falls_back_and_php_runs_it(
 def test_a_bridge_run_of_a_shared_class_falls_back_to_phd(tmp_path: Path):
     native = Native()
     rt = runtime(tmp_path, native)
-    set_weights(rt.queue.engine, {CLASS: {"bridge": 50}})
+    set_weights(rt.queue.engine, {CLASS: {"celery": 50}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
-    ours = sorted(new_side(BRIDGE, 50, ids))
+    ours = sorted(new_side(CELERY, 50, ids))
     native.failing = set(ours[:3])
     reports = run_each(rt, lease_all(rt, ours), ours)
     assert {reports[i].outcome for i in ours[:3]} == {Outcome.FALLBACK}
@@ -436,7 +429,7 @@ def test_an_old_side_failure_is_an_ordinary_failure(tmp_path: Path):
     """Only the new side falls back: a failure of the old side counts, as Phorge counts it."""
     native = Native()
     rt = runtime(tmp_path, native)
-    set_weights(rt.queue.engine, {CLASS: {"native": 50}})  # native here has no PHP path…
+    set_weights(rt.queue.engine, {CLASS: {"python": 50}})  # native here has no PHP path…
     ids = rt.queue.enqueue_many([NewTask(OTHER, {})] * 3)  # …and OTHER is not shared
     native.failing = set(ids)
     reports = {i: run_task(rt, Lease(i, lease_all(rt, [i]), 0), task_class=OTHER) for i in ids}
@@ -467,7 +460,7 @@ def test_the_fallback_write_is_fenced_and_tells_its_lost_commit_apart(tmp_path: 
 def test_every_archive_row_names_its_implementation(tmp_path: Path):
     native, runner = Native(), Runner()
     rt = runtime(tmp_path, native, runner=runner)
-    set_weights(rt.queue.engine, {CLASS: {"native": 50}})
+    set_weights(rt.queue.engine, {CLASS: {"python": 50}})
     ids = rt.queue.enqueue_many(
         [NewTask(CLASS, {"followup": True}), NewTask(CLASS, {"php": "permanent"})] * 10
     )
@@ -511,15 +504,15 @@ def test_owners_keep_room_for_the_longest_label(monkeypatch: pytest.MonkeyPatch)
 def test_a_batch_groups_by_the_handler_chosen_for_each_task(tmp_path: Path):
     native, proxy = Native(), Proxy()
     rt = runtime(tmp_path, native, fallback=proxy)
-    set_weights(rt.queue.engine, {CLASS: {"native": 50}})
+    set_weights(rt.queue.engine, {CLASS: {"python": 50}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 24)
-    fell = [i for i in ids if i in new_side(NATIVE, 50, ids)][:2]
+    fell = [i for i in ids if i in new_side(PYTHON, 50, ids)][:2]
     set_failed(rt, fell)  # predicted native, but PHP's once checked
     owner = lease_all(rt, ids)
     batch = Batch(rt, owner, None)
     assert batch.run([Leased(i, 0, CLASS) for i in ids]) == []
     assert {r.outcome for _, r, _ in batch.reports} == {Outcome.SUCCESS}
-    natively = new_side(NATIVE, 50, ids) - set(fell)
+    natively = new_side(PYTHON, 50, ids) - set(fell)
     assert set(native.ran) == natively
     proxied = [i for call in proxy.calls for i in call]
     assert sorted(proxied) == sorted(set(ids) - natively)
@@ -535,9 +528,9 @@ def test_a_batch_groups_by_the_handler_chosen_for_each_task(tmp_path: Path):
 @pytest.mark.parametrize(
     "weights",
     [
-        {CLASS: {"native": 20}},
-        {"*": {"native": 0}},
-        {CLASS: {"ramp": {"level": "native", "steps": [5, 100]}}},
+        {CLASS: {"python": 20}},
+        {"*": {"python": 0}},
+        {CLASS: {"ramp": {"level": "python", "steps": [5, 100]}}},
     ],
 )
 def test_a_native_weight_without_a_php_path_stops_the_worker_at_start(tmp_path: Path, weights):
@@ -551,10 +544,10 @@ def test_a_native_weight_without_a_php_path_stops_the_worker_at_start(tmp_path: 
 
 def test_weights_the_worker_can_honour_pass_the_start_check(tmp_path: Path):
     rt = runtime(tmp_path, runner=Runner())
-    set_weights(rt.queue.engine, {CLASS: {"native": 20}, OTHER: {"bridge": 5}})
-    assert check_canary(rt).weight(CLASS, NATIVE) == 2000
+    set_weights(rt.queue.engine, {CLASS: {"python": 20}, OTHER: {"celery": 5}})
+    assert check_canary(rt).weight(CLASS, PYTHON) == 2000
     with rt.queue.engine.begin() as conn:  # set by hand, past the bridge's own check
-        conn.execute(update(config_entry).values(value='{"CanaryWorker": {"native": 200}}'))
+        conn.execute(update(config_entry).values(value='{"CanaryWorker": {"python": 200}}'))
     with pytest.raises(ConfigError, match=r"phorge-bridge\.canary: CanaryWorker"):
         check_canary(rt)
 
@@ -589,9 +582,9 @@ def test_the_metrics_carry_the_implementation():
 def test_a_fixed_canary_is_what_a_runtime_built_by_hand_gets(tmp_path: Path):
     rt = Runtime(settings_for(tmp_path), runtime(tmp_path).queue, Registry([Native()]))
     assert rt.canary.current().weights == {}
-    shared = canary_of({CLASS: {"bridge": 1}}, None)
+    shared = canary_of({CLASS: {"celery": 1}}, None)
     rt.canary = FixedCanary(shared)
-    assert rt.canary.current().weight(CLASS, BRIDGE) == SCALE // 100
+    assert rt.canary.current().weight(CLASS, CELERY) == SCALE // 100
 
 
 # -- a new side that cannot finish: its hand-backs and lost leases fall back --------------
@@ -604,9 +597,9 @@ def test_a_new_side_run_handed_back_falls_back_and_an_old_side_one_is_handed_bac
     falls back to phd, a failure for the guard, rather than going back to the new side."""
     native = Native(how=HandBack)
     rt = runtime(tmp_path, native)
-    set_weights(rt.queue.engine, {CLASS: {"bridge": 50}})
+    set_weights(rt.queue.engine, {CLASS: {"celery": 50}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
-    ours = sorted(new_side(BRIDGE, 50, ids))[:2]
+    ours = sorted(new_side(CELERY, 50, ids))[:2]
     other = rt.queue.enqueue_many([NewTask(OTHER, {})])
     native.failing = {*ours, *other}
     reports = run_each(rt, lease_all(rt, ours), ours)
@@ -621,15 +614,15 @@ def test_a_new_side_run_handed_back_falls_back_and_an_old_side_one_is_handed_bac
 
 
 def test_a_new_side_whose_transport_is_down_here_falls_back_before_it_runs(tmp_path: Path):
-    """At the bridge level with the PHP path as the new side: a worker whose runner cannot
+    """At the celery level with the PHP path as the new side: a worker whose runner cannot
     boot gives the bridge's rows of a shared class to phd, and runs none."""
     runner = Runner()
     runner.availability = Availability(lambda: "PHP cannot boot")
     runner.availability.failure("PHP cannot boot")
     rt = runtime(tmp_path, runner=runner)
-    set_weights(rt.queue.engine, {CLASS: {"bridge": 50, "native": 0}})
+    set_weights(rt.queue.engine, {CLASS: {"celery": 50, "python": 0}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
-    ours = sorted(new_side(BRIDGE, 50, ids))[:3]
+    ours = sorted(new_side(CELERY, 50, ids))[:3]
     reports = run_each(rt, lease_all(rt, ours), ours)
     assert {r.reason for r in reports.values()} == {"held back: PHP cannot boot; phd takes it"}
     assert {r.outcome for r in reports.values()} == {Outcome.FALLBACK}
@@ -659,9 +652,9 @@ def test_a_new_side_run_that_outlived_its_lease_falls_back_while_its_owner_holds
 ):
     native = Native()
     rt = runtime(tmp_path, native)
-    set_weights(rt.queue.engine, {CLASS: {"bridge": 50}})
+    set_weights(rt.queue.engine, {CLASS: {"celery": 50}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
-    mine, taken = sorted(new_side(BRIDGE, 50, ids))[:2]
+    mine, taken = sorted(new_side(CELERY, 50, ids))[:2]
     outlived(rt, monkeypatch, {taken})
     reports = run_each(rt, lease_all(rt, [mine, taken]), [mine, taken])
     assert (reports[mine].outcome, reports[mine].reason) == (
@@ -712,11 +705,11 @@ def test_a_new_side_yield_of_a_task_past_max_yielding_falls_back_to_the_old_side
     rt = runtime(tmp_path, Yielding(), runner=Runner())
     if bound == "setting":
         rt.settings = replace(rt.settings, canary_max_yielding=600)
-        set_weights(rt.queue.engine, {CLASS: {"native": 50}})
+        set_weights(rt.queue.engine, {CLASS: {"python": 50}})
     else:
-        set_weights(rt.queue.engine, {CLASS: {"native": 50, "guard": {"max_yielding": 600}}})
+        set_weights(rt.queue.engine, {CLASS: {"python": 50, "guard": {"max_yielding": 600}}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
-    young, old = sorted(new_side(NATIVE, 50, ids))[:2]
+    young, old = sorted(new_side(PYTHON, 50, ids))[:2]
     created_ago(rt, [young], 590)
     created_ago(rt, [old], 610)
     reports = run_each(rt, lease_all(rt, [young, old]), [young, old])
@@ -740,9 +733,9 @@ class YieldingRunner(Runner):
 def test_an_old_side_or_unshared_yield_of_an_old_task_stays_a_yield(tmp_path: Path):
     runner = YieldingRunner()
     rt = runtime(tmp_path, Yielding(), runner=runner)
-    set_weights(rt.queue.engine, {CLASS: {"native": 50}})
+    set_weights(rt.queue.engine, {CLASS: {"python": 50}})
     ids = rt.queue.enqueue_many([NewTask(CLASS, {})] * 40)
-    theirs = sorted(set(ids) - new_side(NATIVE, 50, ids))[0]
+    theirs = sorted(set(ids) - new_side(PYTHON, 50, ids))[0]
     [other] = rt.queue.enqueue_many([NewTask(OTHER, {})])
     created_ago(rt, [theirs, other], 2 * rt.settings.canary_max_yielding)
     assert run_each(rt, lease_all(rt, [theirs]), [theirs])[theirs].outcome is Outcome.YIELD

@@ -27,9 +27,10 @@ from bridge.canary.guard import (
 )
 from bridge.canary.ledger import SETTLE, Ledger
 from bridge.canary.store import CanaryStore
-from bridge.canary.weights import BRIDGE, NATIVE, CanaryState, bucket, stored
+from bridge.canary.weights import CanaryState, bucket, stored
 from bridge.config import load_settings
 from bridge.queue import make_engine
+from bridge.queue.implementations import CELERY, PYTHON
 from bridge.queue.schema import worker_activetask as active
 
 BOUNDS = Bounds(slowdown_floor=0.1)  # the defaults but the floor
@@ -41,7 +42,7 @@ def side(runs: int, failures: int, p50: float | None = 0.01) -> SideStats:
 
 
 def window(new: SideStats, old: SideStats) -> Window:
-    return Window("C", NATIVE, 300, new, old)
+    return Window("C", PYTHON, 300, new, old)
 
 
 def test_the_reason_names_both_ratios_the_window_and_the_chance():
@@ -122,7 +123,7 @@ def test_a_new_side_that_queues_other_followups_is_worse():
     assert verdict(window(effects(80, 160), effects(320, 320)), BOUNDS), "twice as many"
     assert verdict(window(effects(40, 30), effects(160, 160)), BOUNDS) is None, "within 50%"
     assert verdict(window(effects(5, 0), effects(160, 160)), BOUNDS) is None, "5 runs"
-    # phd's runs carry no count (the bridge level's old side): nothing to compare.
+    # phd's runs carry no count (the celery level's old side): nothing to compare.
     assert verdict(window(effects(40, 40), effects(160, 0, labelled=False)), BOUNDS) is None
     assert (
         verdict(window(effects(40, 0), effects(160, 160)), replace(BOUNDS, max_followup_change=1))
@@ -133,10 +134,10 @@ def test_a_new_side_that_queues_other_followups_is_worse():
 def test_a_rollback_needs_failure_limit_bad_evaluations_in_a_row():
     suspicions = Suspicions(limit=3)
     bad, good = "worse", None
-    assert [suspicions.confirmed("C", NATIVE, r) for r in (bad, bad, good, bad, bad)] == [False] * 5
-    assert suspicions.confirmed("C", NATIVE, bad)  # the third in a row
-    assert not suspicions.confirmed("D", NATIVE, bad), "each class counts its own"
-    assert not suspicions.confirmed("C", "bridge", bad), "and each level"
+    assert [suspicions.confirmed("C", PYTHON, r) for r in (bad, bad, good, bad, bad)] == [False] * 5
+    assert suspicions.confirmed("C", PYTHON, bad)  # the third in a row
+    assert not suspicions.confirmed("D", PYTHON, bad), "each class counts its own"
+    assert not suspicions.confirmed("C", "celery", bad), "and each level"
 
 
 def test_bounds_come_from_the_settings():
@@ -158,7 +159,7 @@ def test_bounds_come_from_the_settings():
 # -- on SQLite, with archive rows ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("level", [NATIVE, BRIDGE])
+@pytest.mark.parametrize("level", [PYTHON, CELERY])
 def test_a_summed_span_counts_what_reading_each_row_counts(engine, level):
     """``canary report --since``'s grouped statement against the row-by-row window, on
     SQLite and MariaDB: the same runs per side, without durations."""
@@ -200,8 +201,8 @@ def test_the_window_splits_the_rows_by_label(db):
     archived(engine, owner("runner"), result=2)  # cancelled: its last run never ran
     archived(engine, owner("runner"), count=5, age=1000)  # outside the window
     archived(engine, owner("native"), count=5, task_class="Other")
-    w = read_window(engine, "C", NATIVE, 300, 500)
-    assert (w.task_class, w.level, w.seconds) == ("C", NATIVE, 300)
+    w = read_window(engine, "C", PYTHON, 300, 500)
+    assert (w.task_class, w.level, w.seconds) == ("C", PYTHON, 300)
     assert w.new == SideStats(
         runs=4 + 3 + 2,
         successes=5,
@@ -233,10 +234,10 @@ def test_the_window_counts_the_followups_each_side_queued(db):
     archived(engine, owner("native~2"), count=3)
     archived(engine, owner("runner~1"), count=10)
     archived(engine, owner("runner~1"), failures=1, result=1)  # a failure queues nothing
-    w = read_window(engine, "C", NATIVE, 300, 500)
+    w = read_window(engine, "C", PYTHON, 300, 500)
     assert (w.new.followups, w.new.labelled_successes, w.new.implementations) == (6, 7, ("native",))
     assert (w.old.followups, w.old.followups_per_success) == (10, 1.0)
-    summed = summed_window(engine, "C", NATIVE, 300)
+    summed = summed_window(engine, "C", PYTHON, 300)
     assert (summed.new.followups, summed.old.followups) == (6, 10)
 
 
@@ -246,7 +247,7 @@ def test_at_the_bridge_level_phd_and_stock_owners_are_the_old_side(db):
     archived(engine, f"1:{int(time.time())}:web:1", count=3)  # Phorge's own taskmasters
     archived(engine, f"phd-fallback:1:{int(time.time())}:web:1")
     archived(engine, owner("conduit"), count=4)
-    w = read_window(engine, "C", BRIDGE, 300, 500)
+    w = read_window(engine, "C", CELERY, 300, 500)
     assert (w.new.runs, w.new.fallbacks, w.new.implementations) == (5, 1, ("conduit",))
     assert (w.old.runs, w.old.implementations) == (6, ("phd", "phd-fallback"))
 
@@ -256,7 +257,7 @@ def test_percentiles_are_of_successful_runs_in_seconds(db):
     for ms in range(1, 101):
         archived(engine, owner("native"), duration_us=ms * 1000)
     archived(engine, owner("native"), result=1, duration_us=10**9)
-    w = read_window(engine, "C", NATIVE, 300, 500)
+    w = read_window(engine, "C", PYTHON, 300, 500)
     assert (w.new.p50, w.new.p99) == (0.05, 0.099)
     assert w.old == SideStats()
 
@@ -271,11 +272,11 @@ def test_the_window_is_cut_for_both_sides_at_once(db, monkeypatch, page):
     archived(engine, owner("runner"), count=7, age=15)  # older than the cut: left out
     archived(engine, owner("native"), count=10, duration_us=1_000, age=10)
     archived(engine, owner("runner"), count=4, age=5)
-    w = read_window(engine, "C", NATIVE, 300, 10)
+    w = read_window(engine, "C", PYTHON, 300, 10)
     assert (w.new.runs, w.new.p99) == (10, 0.001)  # the newest ten only
     assert w.old.runs == 4
     assert 10 <= w.seconds <= 12, "the span judged, not the window asked for"
-    busy = read_window(engine, "C", NATIVE, 300, 1)  # the old side reaches its cap, 4, first
+    busy = read_window(engine, "C", PYTHON, 300, 1)  # the old side reaches its cap, 4, first
     assert (busy.new.runs, busy.old.runs) == (0, 4)
 
 
@@ -300,7 +301,7 @@ def mixed(engine: sa.Engine, now: int) -> None:
         ("A", None, 0, 150),  # before A's cut
         ("B", owner("runner"), 2, 0),
         ("C", owner("runner-fallback"), 1, 100),
-        ("C", owner("runner-fallback"), 1, 250),  # before C's cut at the bridge level
+        ("C", owner("runner-fallback"), 1, 250),  # before C's cut at the celery level
         ("Other", None, 0, 0),
     ]:
         failed_rows(engine, who, 1, failures=failures, task_class=task_class, age=age)
@@ -319,12 +320,12 @@ def test_one_read_of_several_classes_gives_each_its_own_window(engine, monkeypat
     monkeypatch.setattr(canary_sql, "server_time", lambda: sa.select(sa.literal(now)))
     mixed(engine, now)
     asked = [
-        ("A", NATIVE, 300),
-        ("B", NATIVE, 300),
-        ("C", NATIVE, 300),
-        ("C", BRIDGE, 300),
-        ("A", NATIVE, 10),
-        ("D", NATIVE, 300),  # nothing archived
+        ("A", PYTHON, 300),
+        ("B", PYTHON, 300),
+        ("C", PYTHON, 300),
+        ("C", CELERY, 300),
+        ("A", PYTHON, 10),
+        ("D", PYTHON, 300),  # nothing archived
     ]
     together = read_windows(engine, asked, 25)
     assert together == [read_window(engine, *one, 25) for one in asked]
@@ -335,7 +336,7 @@ def test_one_read_of_several_classes_gives_each_its_own_window(engine, monkeypat
     assert c_bridge.seconds < 250 and c_bridge.old.implementations == ("phd", "runner-fallback")
     assert c_bridge.new.runs >= 25 and c_bridge.new.p50 is not None
     assert a_since.seconds == 10 and a_since.new.fallbacks == 1
-    assert d == Window("D", NATIVE, 300, SideStats(), SideStats())
+    assert d == Window("D", PYTHON, 300, SideStats(), SideStats())
     assert read_windows(engine, [], 25) == []
 
 
@@ -346,9 +347,9 @@ def test_a_temporary_failure_counts_when_it_happens_not_when_archived(db):
     archived(engine, owner("native"), count=20)
     archived(engine, owner("runner"), count=80)
     failed_rows(engine, owner("runner"), 6, failures=2)  # waiting for their third run
-    failed_rows(engine, f"1:{int(time.time())}:web:1", 2)  # phd's, at the bridge level
+    failed_rows(engine, f"1:{int(time.time())}:web:1", 2)  # phd's, at the celery level
     fell_back_rows(engine, 5)
-    w = read_window(engine, "C", NATIVE, 300, 500)
+    w = read_window(engine, "C", PYTHON, 300, 500)
     assert (w.new.runs, w.new.fallbacks) == (25, 5)
     assert (w.old.runs, w.old.temporary_failures) == (80 + 12 + 2, 14)
     # The shared outage: 20% of either side fails.
@@ -362,7 +363,7 @@ def test_a_fallback_the_old_side_failed_too_counts_on_both_sides_while_it_waits(
     archived(engine, owner("native"), count=20)
     archived(engine, owner("runner"), count=80)
     failed_rows(engine, owner("runner-fallback"), 4)
-    w = read_window(engine, "C", NATIVE, 300, 500)
+    w = read_window(engine, "C", PYTHON, 300, 500)
     assert (w.new.runs, w.new.fallbacks, w.new.successes) == (24, 4, 20)
     assert (w.old.runs, w.old.temporary_failures) == (84, 4)
 
@@ -374,14 +375,14 @@ def test_an_old_side_with_few_runs_in_the_window_is_judged_by_its_history(db):
     archived(engine, owner("runner"), count=200, age=5000)  # an hour and more ago
     archived(engine, owner("native"), count=28)
     fell_back_rows(engine, 12)
-    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
-    reason = store.read().state.of("C", NATIVE).reason or ""
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (python)"]
+    reason = store.read().state.of("C", PYTHON).reason or ""
     assert "old side 100.0 percent over 200 runs" in reason
     history = load_settings(
         {"BRIDGE_DATABASE_URL": str(engine.url), "BRIDGE_CANARY_HISTORY": "300"}
     )
-    store.set_weights({"C": {"native": 20}})
-    store.change_state(lambda s: s.with_promotion("C", NATIVE, int(time.time()) - 60, 20.0, "t"))
+    store.set_weights({"C": {"python": 20}})
+    store.change_state(lambda s: s.with_promotion("C", PYTHON, int(time.time()) - 60, 20.0, "t"))
     assert guard_once(store, engine, history, Suspicions(1)) == [], "10 successes: no proof"
 
 
@@ -441,7 +442,7 @@ def test_several_long_windows_are_each_cut_on_their_own(db, max_runs):
     fell_back_rows(engine, 2)
     failed_rows(engine, owner("runner"), 1, task_class="D", age=400)
     five = (now - 270) // 60 * 60  # the whole minutes of the last five batches
-    asked = [("C", NATIVE, now - 3600), ("D", NATIVE, now - 3600), ("C", NATIVE, five)]
+    asked = [("C", PYTHON, now - 3600), ("D", PYTHON, now - 3600), ("C", PYTHON, five)]
     ledger = Ledger(3600)
     together = long_windows(engine, ledger, asked, now + SETTLE, max_runs)
     assert together == [
@@ -472,7 +473,7 @@ def test_a_small_difference_at_low_traffic_is_caught_by_the_long_window(db):
     the short window's 60 new-side runs prove nothing, the history's 2,040 do."""
     engine, settings = db
     store = CanaryStore(engine, None)
-    store.set_weights({"C": {"native": 20}})
+    store.set_weights({"C": {"python": 20}})
     spread(engine, "native", 2040, 60, hours=3)
     spread(engine, "runner", 8040, 90, hours=3)
     short_only = load_settings(
@@ -480,16 +481,16 @@ def test_a_small_difference_at_low_traffic_is_caught_by_the_long_window(db):
     )
     assert guard_once(store, engine, short_only, Suspicions(1)) == []
     ledger = Ledger(settings.canary_history)
-    assert guard_once(store, engine, settings, Suspicions(1), ledger) == ["rollback C (native)"]
-    reason = store.read().state.of("C", NATIVE).reason or ""
+    assert guard_once(store, engine, settings, Suspicions(1), ledger) == ["rollback C (python)"]
+    reason = store.read().state.of("C", PYTHON).reason or ""
     assert reason.startswith(
         "new side success 97.1 percent over 2040 runs, old side 98.9 percent over 8040 runs"
     ), reason
 
 
-WEIGHTS = {"C": {"native": 20}, "Quiet": {"native": 20}}
+WEIGHTS = {"C": {"python": 20}, "Quiet": {"python": 20}}
 ERROR = (
-    "canary rollback: C (native): new side success 70.0% over 40 runs, "
+    "canary rollback: C (python): new side success 70.0% over 40 runs, "
     "old side 100.0% over 160 runs, window 300 s (p = 9.1e-10)"
 )
 
@@ -503,19 +504,19 @@ def test_a_worse_new_side_is_rolled_back_with_one_error_line(db, caplog):
     archived(engine, owner("runner"), count=148)
     archived(engine, owner("native"), count=20, task_class="Quiet")
     caplog.set_level(logging.INFO, logger="bridge.canary")
-    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (python)"]
     errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in errors] == [ERROR]
     canary = store.read()
-    state = canary.state.of("C", NATIVE)
+    state = canary.state.of("C", PYTHON)
     # Stored without "%", which `bin/config get` would take for a format directive.
     assert state.rolled_back and state.reason == stored(ERROR.split(": ", 2)[2])
     assert "%" not in state.reason
-    assert canary.weight("C", NATIVE) == 0 and canary.weight("Quiet", NATIVE) == 2000
+    assert canary.weight("C", PYTHON) == 0 and canary.weight("Quiet", PYTHON) == 2000
     (event,) = canary.state.history
     assert (event.task_class, event.level, event.event, event.weight) == (
         "C",
-        NATIVE,
+        PYTHON,
         "rollback",
         0,
     )
@@ -528,24 +529,24 @@ def test_a_worse_new_side_is_rolled_back_with_one_error_line(db, caplog):
 def test_no_shared_class_is_one_read(db, monkeypatch):
     engine, settings = db
     store = CanaryStore(engine, None)
-    store.set_weights({"C": {"native": 100}, "*": {"bridge": 0}})
+    store.set_weights({"C": {"python": 100}, "*": {"celery": 0}})
     monkeypatch.setattr(guard, "read_windows", lambda *a: pytest.fail("read the archive"))
     monkeypatch.setattr(guard, "guard_lock", lambda *a: pytest.fail("took the lock"))
     assert guard_once(store, engine, settings, Suspicions(1)) == []
     assert guard_once(CanaryStore(engine, None), engine, settings, Suspicions(1)) == []
 
 
-RAMP = {"C": {"ramp": {"level": "native", "steps": [1, 5, 100], "dwell": 60}}}
+RAMP = {"C": {"ramp": {"level": "python", "steps": [1, 5, 100], "dwell": 60}}}
 
 
 def backdate(store: CanaryStore, seconds: int) -> None:
     """Make the current ramp step ``seconds`` older."""
 
     def change(state: CanaryState) -> CanaryState:
-        level = state.of("C", NATIVE)
+        level = state.of("C", PYTHON)
         assert level.step_since is not None
         moved = replace(level, step_since=level.step_since - seconds)
-        return replace(state, levels={**state.levels, ("C", NATIVE): moved})
+        return replace(state, levels={**state.levels, ("C", PYTHON): moved})
 
     store.change_state(change)
 
@@ -554,26 +555,26 @@ def test_a_quiet_ramp_steps_after_each_dwell(db):
     engine, settings = db
     store = CanaryStore(engine, None)
     store.set_weights(RAMP)
-    assert store.read().weight("C", NATIVE) == 100
+    assert store.read().weight("C", PYTHON) == 100
     # First sight: the step's dwell starts now; nothing moves.
     assert guard_once(store, engine, settings, Suspicions(1)) == []
-    first = store.read().state.of("C", NATIVE)
+    first = store.read().state.of("C", PYTHON)
     assert first.step == 0 and first.step_since is not None
     assert store.read().state.history == ()
     assert guard_once(store, engine, settings, Suspicions(1)) == []  # held 0 s of 60
     backdate(store, 50)  # 50 s and the test's own seconds (a busy machine's few)
     assert guard_once(store, engine, settings, Suspicions(1)) == []
     backdate(store, 10)
-    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (native) 5%"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (python) 5%"]
     canary = store.read()
-    assert canary.weight("C", NATIVE) == 500
-    stepped = canary.state.of("C", NATIVE)
+    assert canary.weight("C", PYTHON) == 500
+    stepped = canary.state.of("C", PYTHON)
     assert stepped.step == 1 and stepped.step_since is not None
     assert stepped.step_since >= first.step_since  # the new step's dwell starts now
     assert [(e.event, e.weight) for e in canary.state.history] == [("step", 5.0)]
     backdate(store, 60)
-    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (native) 100%"]
-    assert store.read().weight("C", NATIVE) == 10_000
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (python) 100%"]
+    assert store.read().weight("C", PYTHON) == 10_000
     # At 100% the class is no longer shared: the ramp is done.
     backdate(store, 600)
     assert guard_once(store, engine, settings, Suspicions(1)) == []
@@ -584,16 +585,16 @@ def test_a_paused_ramp_holds_its_step_until_resumed_and_a_whole_dwell(db):
     store = CanaryStore(engine, None)
     store.set_weights(RAMP)
     assert guard_once(store, engine, settings, Suspicions(1)) == []  # its dwell starts
-    store.change_state(lambda state: state.with_pause("C", NATIVE, 1, True, 1.0))
+    store.change_state(lambda state: state.with_pause("C", PYTHON, 1, True, 1.0))
     backdate(store, 600)
     assert guard_once(store, engine, settings, Suspicions(1)) == []
-    assert store.read().weight("C", NATIVE) == 100
+    assert store.read().weight("C", PYTHON) == 100
     with engine.connect() as conn:
         now = int(conn.execute(canary_sql.server_time()).scalar_one())
-    store.change_state(lambda state: state.with_pause("C", NATIVE, now, False, 1.0))
+    store.change_state(lambda state: state.with_pause("C", PYTHON, now, False, 1.0))
     assert guard_once(store, engine, settings, Suspicions(1)) == []  # resumed: 0 s of 60
     backdate(store, 60)
-    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (native) 5%"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["step C (python) 5%"]
     assert [e.event for e in store.read().state.history] == ["pause", "resume", "step"]
 
 
@@ -605,9 +606,9 @@ def test_a_class_sets_its_own_bounds(db):
     store = CanaryStore(engine, None)
     store.set_weights(
         {
-            "Strict": {"native": 20},
-            "Lax": {"native": 20, "guard": {"max_drop": 0.5}},
-            "Patient": {"native": 20, "guard": {"failure_limit": 2}},
+            "Strict": {"python": 20},
+            "Lax": {"python": 20, "guard": {"max_drop": 0.5}},
+            "Patient": {"python": 20, "guard": {"failure_limit": 2}},
         }
     )
     for task_class in ("Strict", "Lax", "Patient"):
@@ -615,10 +616,10 @@ def test_a_class_sets_its_own_bounds(db):
         archived(engine, owner("runner-fallback"), count=10, task_class=task_class)
         archived(engine, owner("runner"), count=90, task_class=task_class)
     suspicions = Suspicions(1)
-    assert guard_once(store, engine, settings, suspicions) == ["rollback Strict (native)"]
-    assert guard_once(store, engine, settings, suspicions) == ["rollback Patient (native)"]
+    assert guard_once(store, engine, settings, suspicions) == ["rollback Strict (python)"]
+    assert guard_once(store, engine, settings, suspicions) == ["rollback Patient (python)"]
     assert guard_once(store, engine, settings, suspicions) == []
-    assert store.read().weight("Lax", NATIVE) == 2000
+    assert store.read().weight("Lax", PYTHON) == 2000
 
 
 def test_a_ramp_with_a_bad_new_side_is_rolled_back_not_stepped(db):
@@ -630,9 +631,9 @@ def test_a_ramp_with_a_bad_new_side_is_rolled_back_not_stepped(db):
     archived(engine, owner("native"), count=20)
     archived(engine, owner("runner-fallback"), count=10)
     archived(engine, owner("runner"), count=90)
-    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (python)"]
     canary = store.read()
-    assert canary.weight("C", NATIVE) == 0
+    assert canary.weight("C", PYTHON) == 0
     assert [e.event for e in canary.state.history] == ["rollback"]
 
 
@@ -676,7 +677,7 @@ def test_fallbacks_waiting_for_the_old_side_count_as_new_side_failures(db):
     archived(engine, owner("runner"), count=100)
     fell_back_rows(engine, 10)  # phd has a backlog: not archived yet
     fell_back_rows(engine, 5, task_class="Other")
-    w = read_window(engine, "C", NATIVE, 300, 100)
+    w = read_window(engine, "C", PYTHON, 300, 100)
     assert (w.new.runs, w.new.successes, w.new.fallbacks) == (30, 20, 10)
     assert w.old.runs == 100  # the old side has not run them yet
     assert verdict(w, BOUNDS) is not None
@@ -689,16 +690,16 @@ def test_after_a_promotion_only_newer_runs_are_judged(db):
     archived(engine, owner("native"), count=28, age=30)
     archived(engine, owner("runner-fallback"), count=12, age=30)
     archived(engine, owner("runner"), count=148, age=30)
-    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (python)"]
     now = int(time.time())
-    store.change_state(lambda s: s.with_promotion("C", NATIVE, now, 20.0, "fixed"))
+    store.change_state(lambda s: s.with_promotion("C", PYTHON, now, 20.0, "fixed"))
     # The failures that made the rollback are older than the promotion: no new trip.
     assert guard_once(store, engine, settings, Suspicions(1)) == []
-    assert store.read().weight("C", NATIVE) == 2000
+    assert store.read().weight("C", PYTHON) == 2000
     archived(engine, owner("native"), count=28)
     archived(engine, owner("runner-fallback"), count=12)
     archived(engine, owner("runner"), count=148)
-    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (native)"]
+    assert guard_once(store, engine, settings, Suspicions(1)) == ["rollback C (python)"]
 
 
 def yielding_rows(engine: sa.Engine, new: int, old: int, age: int) -> None:
@@ -708,7 +709,7 @@ def yielding_rows(engine: sa.Engine, new: int, old: int, age: int) -> None:
     wanted = {True: new, False: old}
     while any(wanted.values()):
         task_id = next(TASK_IDS)
-        ours = bucket(NATIVE, task_id) < 5000
+        ours = bucket(PYTHON, task_id) < 5000
         if wanted[ours]:
             wanted[ours] -= 1
             rows.append(
@@ -740,13 +741,13 @@ def test_rows_yielding_past_max_yielding_are_their_sides_failures(db, new, old, 
     so a loop both sides share (a dependency down) rolls nothing back."""
     engine, settings = db
     store = CanaryStore(engine, None)
-    store.set_weights({"C": {"native": 50, "guard": {"max_yielding": 3600}}})
+    store.set_weights({"C": {"python": 50, "guard": {"max_yielding": 3600}}})
     archived(engine, owner("native"), count=20)
     archived(engine, owner("runner"), count=80)
     yielding_rows(engine, new, old, age=3700)
     yielding_rows(engine, 20, 20, age=3500)  # young enough: Phorge's "not yet"
     made = guard_once(store, engine, settings, Suspicions(1))
-    assert made == (["rollback C (native)"] if rolled_back else [])
+    assert made == (["rollback C (python)"] if rolled_back else [])
     if rolled_back:
-        reason = store.read().state.of("C", NATIVE).reason
+        reason = store.read().state.of("C", PYTHON).reason
         assert "rows in a yield loop 12 on the new side and 0 on the old" in reason

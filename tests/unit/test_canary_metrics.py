@@ -34,12 +34,12 @@ COMMITS = "PhabricatorRepositoryCommitParserWorker"
 WINDOW = 300
 
 WEIGHTS = {
-    "*": {"bridge": 0},
-    SEARCH: {"bridge": 100},  # moved wholly: a weight, no sides to compare
-    MAIL: {"bridge": 5},
-    FEED: {"bridge": 100, "native": 20},
-    HERALD: {"bridge": 100, "native": 50},  # rolled back below
-    COMMITS: {"ramp": {"level": "bridge", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
+    "*": {"celery": 0},
+    SEARCH: {"celery": 100},  # moved wholly: a weight, no sides to compare
+    MAIL: {"celery": 5},
+    FEED: {"celery": 100, "python": 20},
+    HERALD: {"celery": 100, "python": 50},  # rolled back below
+    COMMITS: {"ramp": {"level": "celery", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
 }
 
 Archive = Callable[..., None]
@@ -115,8 +115,8 @@ def test_each_named_class_shows_its_weight_and_both_sides_of_the_window(store, a
     store.set_weights(WEIGHTS)
     now = int(time.time())
     store.change_state(
-        lambda s: s.with_step(COMMITS, "bridge", now, 2, 25.0).with_rollback(
-            HERALD, "native", now, "new side success 70.0% over 20 runs"
+        lambda s: s.with_step(COMMITS, "celery", now, 2, 25.0).with_rollback(
+            HERALD, "python", now, "new side success 70.0% over 20 runs"
         )
     )
     # The mail class at 5% to the bridge: phd's runs are the old side, the bridge's the
@@ -139,26 +139,26 @@ def test_each_named_class_shows_its_weight_and_both_sides_of_the_window(store, a
     weights = {
         (c, level): value("phorge_bridge_canary_weight", task_class=c, level=level)
         for c in (SEARCH, MAIL, FEED, HERALD, COMMITS)
-        for level in ("bridge", "native")
+        for level in ("celery", "python")
     }
     assert weights == {
-        (SEARCH, "bridge"): 100,
-        (SEARCH, "native"): 100,
-        (MAIL, "bridge"): 5,
-        (MAIL, "native"): 100,
-        (FEED, "bridge"): 100,
-        (FEED, "native"): 20,
-        (HERALD, "bridge"): 100,
-        (HERALD, "native"): 0,  # rolled back
-        (COMMITS, "bridge"): 25,  # the ramp's third step
-        (COMMITS, "native"): 100,
+        (SEARCH, "celery"): 100,
+        (SEARCH, "python"): 100,
+        (MAIL, "celery"): 5,
+        (MAIL, "python"): 100,
+        (FEED, "celery"): 100,
+        (FEED, "python"): 20,
+        (HERALD, "celery"): 100,
+        (HERALD, "python"): 0,  # rolled back
+        (COMMITS, "celery"): 25,  # the ramp's third step
+        (COMMITS, "python"): 100,
     }
-    assert value("phorge_bridge_canary_weight", task_class="*", level="bridge") is None
+    assert value("phorge_bridge_canary_weight", task_class="*", level="celery") is None
     rolled_back = {
         (s.labels["task_class"], s.labels["level"]): s.value
         for s in samples(registry, "phorge_bridge_canary_rolled_back")
     }
-    assert rolled_back == {key: float(key == (HERALD, "native")) for key in weights}
+    assert rolled_back == {key: float(key == (HERALD, "python")) for key in weights}
 
     def side(task_class: str, level: str, name: str) -> dict[str, float | None]:
         return {
@@ -178,18 +178,18 @@ def test_each_named_class_shows_its_weight_and_both_sides_of_the_window(store, a
             for q in ("0.5", "0.99")
         )
 
-    assert side(MAIL, "bridge", "runs") == {"new": 4, "old": 9}
-    assert side(MAIL, "bridge", "success_ratio") == {"new": 3 / 4, "old": 8 / 9}
-    assert quantiles(MAIL, "bridge", "new") == (0.01, 0.01)
-    assert quantiles(MAIL, "bridge", "old") == (0.02, 0.05)
-    assert value("phorge_bridge_canary_fallbacks", task_class=MAIL, level="bridge") == 1
-    assert side(FEED, "native", "runs") == {"new": 2, "old": 2}
-    assert side(FEED, "native", "success_ratio") == {"new": 1.0, "old": 0.5}
-    assert quantiles(FEED, "native", "new") == (0.004, 0.004)
-    assert quantiles(FEED, "native", "old") == (0.3, 0.3)  # successful runs' time only
-    assert value("phorge_bridge_canary_fallbacks", task_class=FEED, level="native") == 0
+    assert side(MAIL, "celery", "runs") == {"new": 4, "old": 9}
+    assert side(MAIL, "celery", "success_ratio") == {"new": 3 / 4, "old": 8 / 9}
+    assert quantiles(MAIL, "celery", "new") == (0.01, 0.01)
+    assert quantiles(MAIL, "celery", "old") == (0.02, 0.05)
+    assert value("phorge_bridge_canary_fallbacks", task_class=MAIL, level="celery") == 1
+    assert side(FEED, "python", "runs") == {"new": 2, "old": 2}
+    assert side(FEED, "python", "success_ratio") == {"new": 1.0, "old": 0.5}
+    assert quantiles(FEED, "python", "new") == (0.004, 0.004)
+    assert quantiles(FEED, "python", "old") == (0.3, 0.3)  # successful runs' time only
+    assert value("phorge_bridge_canary_fallbacks", task_class=FEED, level="python") == 0
     # Rolled back, and a ramp without runs yet: runs at zero, no ratio, no run time.
-    for task_class, level in ((HERALD, "native"), (COMMITS, "bridge")):
+    for task_class, level in ((HERALD, "python"), (COMMITS, "celery")):
         assert side(task_class, level, "runs") == {"new": 0, "old": 0}
         assert side(task_class, level, "success_ratio") == {"new": None, "old": None}
         assert quantiles(task_class, level, "new") == quantiles(task_class, level, "old")
@@ -200,11 +200,11 @@ def test_each_named_class_shows_its_weight_and_both_sides_of_the_window(store, a
         (s.labels["task_class"], s.labels["level"])
         for s in samples(registry, "phorge_bridge_canary_runs")
     }
-    assert compared == {(MAIL, "bridge"), (FEED, "native"), (HERALD, "native"), (COMMITS, "bridge")}
+    assert compared == {(MAIL, "celery"), (FEED, "python"), (HERALD, "python"), (COMMITS, "celery")}
     # What the exporter serves, in the text format Prometheus scrapes.
     served = generate_latest(registry).decode()
     assert (
-        f'phorge_bridge_canary_duration_seconds{{level="bridge",quantile="0.99",side="old",'
+        f'phorge_bridge_canary_duration_seconds{{level="celery",quantile="0.99",side="old",'
         f'task_class="{MAIL}"}} 0.05' in served
     )
 
@@ -213,7 +213,7 @@ def samples(registry: CollectorRegistry, name: str) -> list[Sample]:
     return [s for family in registry.collect() for s in family.samples if s.name == name]
 
 
-@pytest.mark.parametrize("weights", [None, {}, {"*": {"bridge": 0}}, {"*": {"bridge": 100}}])
+@pytest.mark.parametrize("weights", [None, {}, {"*": {"celery": 0}}, {"*": {"celery": 100}}])
 def test_without_a_named_class_there_is_no_gauge_and_no_archive_read(
     store, archived, statements, weights
 ):
@@ -226,11 +226,11 @@ def test_without_a_named_class_there_is_no_gauge_and_no_archive_read(
 
 
 def test_a_class_named_at_full_weight_reads_no_archive_row(store, archived, statements):
-    store.set_weights({SEARCH: {"bridge": 100}, MAIL: {"bridge": 0}})
+    store.set_weights({SEARCH: {"celery": 100}, MAIL: {"celery": 0}})
     archived(MAIL, "phd:1:1700000000:host:2", 3)
     statements.clear()
     registry = registry_of(collector_of(store))
-    weight = {"task_class": MAIL, "level": "bridge"}
+    weight = {"task_class": MAIL, "level": "celery"}
     assert registry.get_sample_value("phorge_bridge_canary_weight", weight) == 0
     assert samples(registry, "phorge_bridge_canary_runs") == []
     assert not [s for s in statements if archive.name in s]
@@ -243,7 +243,7 @@ def test_refused_weights_cost_only_the_canary_gauges_said_once(engine, store, ca
                 phid=new_phid(),
                 namespace="default",
                 configKey=OPTION,
-                value=encode({MAIL: {"bridge": 300}}),
+                value=encode({MAIL: {"celery": 300}}),
                 isDeleted=0,
                 dateCreated=0,
                 dateModified=0,
@@ -255,18 +255,18 @@ def test_refused_weights_cost_only_the_canary_gauges_said_once(engine, store, ca
         assert list(collector.collect()) == []
     [line] = [r.getMessage() for r in caplog.records if r.name == "bridge.metrics.canary"]
     assert OPTION in line and MAIL in line
-    store.set_weights({MAIL: {"bridge": 30}})  # fixed
+    store.set_weights({MAIL: {"celery": 30}})  # fixed
     registry = registry_of(collector)
-    weight = {"task_class": MAIL, "level": "bridge"}
+    weight = {"task_class": MAIL, "level": "celery"}
     assert registry.get_sample_value("phorge_bridge_canary_weight", weight) == 30
 
 
 def test_a_rollback_is_served_while_the_weights_are_refused(engine, store, caplog):
-    store.set_weights({MAIL: {"bridge": 30}})
-    store.change_state(lambda state: state.with_rollback(MAIL, "bridge", 1, "worse"))
-    store._write(OPTION, lambda _old: encode({MAIL: {"bridge": 300}}))
+    store.set_weights({MAIL: {"celery": 30}})
+    store.change_state(lambda state: state.with_rollback(MAIL, "celery", 1, "worse"))
+    store._write(OPTION, lambda _old: encode({MAIL: {"celery": 300}}))
     collector = collector_of(store)
-    rolled = {"task_class": MAIL, "level": "bridge"}
+    rolled = {"task_class": MAIL, "level": "celery"}
     with caplog.at_level(logging.WARNING, "bridge.metrics.canary"):
         families = list(collector.collect())
         registry = registry_of(collector)
@@ -294,7 +294,7 @@ def test_the_rules_and_the_dashboard_ask_only_for_gauges_the_collector_serves(sq
     used = {name for text in texts for name in re.findall(r"phorge_bridge_canary_\w+", text)}
     assert used == {*NAMES, GUARD_JUDGED._name}
     store = CanaryStore(sqlite_engine, None)
-    store.set_weights({MAIL: {"bridge": 5}})
+    store.set_weights({MAIL: {"celery": 5}})
     assert [family.name for family in collector_of(store).collect()] == list(NAMES)
 
 

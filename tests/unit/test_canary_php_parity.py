@@ -25,17 +25,9 @@ from typing import Any
 import pytest
 
 from bridge.canary.store import CanaryView, decode_state, decode_weights, php_json, read_json
-from bridge.canary.weights import (
-    BRIDGE,
-    LEVELS,
-    OPTION,
-    STATE_OPTION,
-    Canary,
-    CanaryState,
-    bucket,
-    parse_weights,
-)
+from bridge.canary.weights import OPTION, STATE_OPTION, Canary, CanaryState, bucket, parse_weights
 from bridge.phorge.extension import CANARY_FILENAME, shipped_file
+from bridge.queue.implementations import CELERY, LEVELS
 
 CANARY_PHP = shipped_file(CANARY_FILENAME)
 DRIVER = Path(__file__).parents[1] / "helpers" / "canary_parity.php"
@@ -55,7 +47,7 @@ class Raw:
     text: str
 
 
-EVENT = {"at": 1, "class": "G", "level": "bridge", "event": "rollback", "weight": 0}
+EVENT = {"at": 1, "class": "G", "level": "celery", "event": "rollback", "weight": 0}
 
 
 def rolled(at: Any = 1_700_000_000, **entry: Any) -> dict[str, Any]:
@@ -71,7 +63,7 @@ def nested(depth: int) -> str:
     return '{"deep": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
 
 
-RAMP_A = {"A": {"ramp": {"level": "bridge", "steps": [5, 10, 50]}}}
+RAMP_A = {"A": {"ramp": {"level": "celery", "steps": [5, 10, 50]}}}
 
 
 # (name, phorge-bridge.canary, phorge-bridge.canary-state): a value is written as JSON,
@@ -85,48 +77,48 @@ CASES: list[tuple[str, Any, Any]] = [
     (
         "every feature",
         {
-            "*": {"bridge": 0},
-            "A": {"bridge": 100},
-            "B": {"bridge": 5},
-            "C": {"native": 50},
-            "D": {"ramp": {"level": "bridge", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
-            "E": {"bridge": 12.345},
-            "F": {"bridge": 0.125},  # 12.5 bp: half to even, as Python's round()
-            "G": {"bridge": 20},
+            "*": {"celery": 0},
+            "A": {"celery": 100},
+            "B": {"celery": 5},
+            "C": {"python": 50},
+            "D": {"ramp": {"level": "celery", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
+            "E": {"celery": 12.345},
+            "F": {"celery": 0.125},  # 12.5 bp: half to even, as Python's round()
+            "G": {"celery": 20},
         },
         {
             "classes": {
-                "D": {"bridge": {"step": 2, "step_since": 1_700_000_000}},
-                "G": {"bridge": rolled()},
-                "H": {"bridge": rolled(1_700_000_001)},
-                "B": {"native": rolled(1_700_000_002)},
+                "D": {"celery": {"step": 2, "step_since": 1_700_000_000}},
+                "G": {"celery": rolled()},
+                "H": {"celery": rolled(1_700_000_001)},
+                "B": {"python": rolled(1_700_000_002)},
             },
             "history": [EVENT],
         },
     ),
     (
         "a ramp past its end, rollbacks without a time",
-        {"A": {"bridge": 50}, "D": {"ramp": {"level": "bridge", "steps": [10, 30]}}},
+        {"A": {"celery": 50}, "D": {"ramp": {"level": "celery", "steps": [10, 30]}}},
         state_of(
             {
-                "D": {"bridge": {"step": 7, "rolled_back": None}},
-                "A": {"bridge": {"rolled_back": {"at": None}}},
-                "X": {"bridge": {"rolled_back": {"at": 5}}},
+                "D": {"celery": {"step": 7, "rolled_back": None}},
+                "A": {"celery": {"rolled_back": {"at": None}}},
+                "X": {"celery": {"rolled_back": {"at": 5}}},
             }
         ),
     ),
-    ("a native default", {"*": {"bridge": 100, "native": 0}, "B": {"bridge": 30}}, None),
-    ("a ramp at the native level", {"C": {"ramp": {"level": "native", "steps": [5, 50]}}}, None),
+    ("a native default", {"*": {"celery": 100, "python": 0}, "B": {"celery": 30}}, None),
+    ("a ramp at the python level", {"C": {"ramp": {"level": "python", "steps": [5, 50]}}}, None),
     ("a class with no weights", {"X": {}}, None),
     ("a class with no weights, as PHP stores it", {"X": []}, None),
-    ("a class with no weights beside a default", {"*": {"bridge": 0}, "X": {}}, None),
+    ("a class with no weights beside a default", {"*": {"celery": 0}, "X": {}}, None),
     ("a default with no weights", {"*": {}, "A": []}, None),
-    ("a default of both levels at 0", {"*": {"bridge": 0, "native": 0}}, None),
+    ("a default of both levels at 0", {"*": {"celery": 0, "python": 0}}, None),
     (
         "a class's own guard bounds",
         {
             "A": {
-                "bridge": 5,
+                "celery": 5,
                 "guard": {
                     "min_runs": 20,
                     "min_failures": 1,
@@ -138,79 +130,79 @@ CASES: list[tuple[str, Any, Any]] = [
                     "max_yielding": 86400,
                 },
             },
-            "B": {"native": 50, "guard": {"max_drop": 1, "max_slowdown": 100000000000000000000}},
+            "B": {"python": 50, "guard": {"max_drop": 1, "max_slowdown": 100000000000000000000}},
             "C": {"guard": []},
         },
         None,
     ),
     (
         "a paused ramp",
-        {"D": {"ramp": {"level": "bridge", "steps": [5, 50]}}},
-        state_of({"D": {"bridge": {"step": 1, "step_since": 1, "paused": True}}}),
+        {"D": {"ramp": {"level": "celery", "steps": [5, 50]}}},
+        state_of({"D": {"celery": {"step": 1, "step_since": 1, "paused": True}}}),
     ),
     (
         "a level at 0 beside a ramp",
-        {"A": {"native": 0, "ramp": {"level": "bridge", "steps": [5]}}},
+        {"A": {"python": 0, "ramp": {"level": "celery", "steps": [5]}}},
         None,
     ),
-    ("a class named at the native level only", {"*": {"bridge": 0}, "C": {"native": 50}}, None),
+    ("a class named at the python level only", {"*": {"celery": 0}, "C": {"python": 50}}, None),
     (
         "levels left out after the default",
-        {"A": {"native": 20}, "*": {"bridge": 0, "native": 0}, "B": {"bridge": 30}},
+        {"A": {"python": 20}, "*": {"celery": 0, "python": 0}, "B": {"celery": 30}},
         None,
     ),
     (
         "a ramp beside a default of 0",
-        {"*": {"bridge": 0}, "D": {"ramp": {"level": "bridge", "steps": [5, 50]}, "native": 0}},
-        state_of({"D": {"bridge": {"step": 1}}}),
+        {"*": {"celery": 0}, "D": {"ramp": {"level": "celery", "steps": [5, 50]}, "python": 0}},
+        state_of({"D": {"celery": {"step": 1}}}),
     ),
-    ("an explicit 100 and 0", {"A": {"bridge": 100.0, "native": 100}, "B": {"bridge": 0.0}}, None),
-    ("rounding: half to even", {"A": {"bridge": 0.005}, "B": {"native": 0.015}}, None),
-    ("rounding: thirds", {"A": {"bridge": 33.333333}, "B": {"bridge": 66.666667}}, None),
-    ("rounding: next to 100", {"A": {"bridge": 99.995}, "B": {"bridge": 99.99999}}, None),
-    ("rounding: tiny", {"A": {"bridge": 1e-9}, "B": {"bridge": 0.0001}}, None),
-    ("a ramp of tiny steps", {"A": {"ramp": {"level": "bridge", "steps": [0.004, 0.01]}}}, None),
-    ("a class named empty", {"": {"bridge": 40}}, state_of({"": {"bridge": rolled()}})),
-    ("a duplicate key: the last wins", Raw('{"A": {"bridge": 5}, "A": {"bridge": 60}}'), None),
+    ("an explicit 100 and 0", {"A": {"celery": 100.0, "python": 100}, "B": {"celery": 0.0}}, None),
+    ("rounding: half to even", {"A": {"celery": 0.005}, "B": {"python": 0.015}}, None),
+    ("rounding: thirds", {"A": {"celery": 33.333333}, "B": {"celery": 66.666667}}, None),
+    ("rounding: next to 100", {"A": {"celery": 99.995}, "B": {"celery": 99.99999}}, None),
+    ("rounding: tiny", {"A": {"celery": 1e-9}, "B": {"celery": 0.0001}}, None),
+    ("a ramp of tiny steps", {"A": {"ramp": {"level": "celery", "steps": [0.004, 0.01]}}}, None),
+    ("a class named empty", {"": {"celery": 40}}, state_of({"": {"celery": rolled()}})),
+    ("a duplicate key: the last wins", Raw('{"A": {"celery": 5}, "A": {"celery": 60}}'), None),
     ("the state's odd but readable fields", None, {"classes": {"A": {"web": {"step": 3}}}}),
     (
         "rollbacks of every kind",
-        {"A": {"bridge": 40}, "B": {"native": 40}, "C": {"bridge": 40}},
+        {"A": {"celery": 40}, "B": {"python": 40}, "C": {"celery": 40}},
         state_of(
             {
-                "A": {"bridge": {"rolled_back": {}}, "native": {"rolled_back": []}},
-                "B": {"native": {"rolled_back": {"at": 0}}},
-                "C": {"bridge": {"rolled_back": {"at": False}}},
-                "X": {"native": rolled()},
+                "A": {"celery": {"rolled_back": {}}, "python": {"rolled_back": []}},
+                "B": {"python": {"rolled_back": {"at": 0}}},
+                "C": {"celery": {"rolled_back": {"at": False}}},
+                "X": {"python": rolled()},
             }
         ),
     ),
     (
         "ramp steps the bridge wrote",
-        {c: {"ramp": {"level": "bridge", "steps": [10, 20, 30]}} for c in "ABCDE"},
+        {c: {"ramp": {"level": "celery", "steps": [10, 20, 30]}} for c in "ABCDE"},
         state_of(
             {
-                "A": {"bridge": {"step": 0}},
-                "B": {"bridge": {"step": 1, "step_since": None}},
-                "C": {"bridge": {"step": 2}},
-                "D": {"bridge": {"step": 9_223_372_036_854_775_807}},
-                "E": {"bridge": {}},
+                "A": {"celery": {"step": 0}},
+                "B": {"celery": {"step": 1, "step_since": None}},
+                "C": {"celery": {"step": 2}},
+                "D": {"celery": {"step": 9_223_372_036_854_775_807}},
+                "E": {"celery": {}},
             }
         ),
     ),
     (
         "PHP's empty objects in the state",
         None,
-        {"classes": {"A": [], "B": {"bridge": []}}, "history": {}},
+        {"classes": {"A": [], "B": {"celery": []}}, "history": {}},
     ),
     ("history with extra fields", None, {"history": [{**EVENT, "reason": "x", "more": [1]}]}),
     ("history of null fields", None, {"history": [dict.fromkeys(EVENT)]}),
     ("the state's other keys", None, {"classes": {}, "version": 2, "note": None}),
     ("a state nested 511 deep", None, Raw(nested(511))),
-    ("a surrogate pair", {"\U0001f600": {"bridge": 5}}, Raw('{"note": "\\ud83d\\ude00"}')),
+    ("a surrogate pair", {"\U0001f600": {"celery": 5}}, Raw('{"note": "\\ud83d\\ude00"}')),
     (
         "steps as PHP reads an object keyed 0, 1",
-        Raw('{"A": {"ramp": {"level": "bridge", "steps": {"0": 5, "1": 10}}}}'),
+        Raw('{"A": {"ramp": {"level": "celery", "steps": {"0": 5, "1": 10}}}}'),
         None,
     ),
     (
@@ -221,9 +213,9 @@ CASES: list[tuple[str, Any, Any]] = [
     # -- the weights refused -------------------------------------------------------------
     ("not JSON", Raw("{not json"), None),
     ("an empty row", Raw(""), None),
-    ("NaN", Raw('{"A": {"bridge": NaN}}'), None),
-    ("Infinity", Raw('{"A": {"bridge": Infinity}}'), None),
-    ("an overflowing float", Raw('{"A": {"bridge": 1e999}}'), None),
+    ("NaN", Raw('{"A": {"celery": NaN}}'), None),
+    ("Infinity", Raw('{"A": {"celery": Infinity}}'), None),
+    ("an overflowing float", Raw('{"A": {"celery": 1e999}}'), None),
     ("a number", 5, None),
     ("a string", "A", None),
     ("an empty string", "", None),
@@ -231,82 +223,82 @@ CASES: list[tuple[str, Any, Any]] = [
     ("false", False, None),
     ("zero", 0, None),
     ("a list", [1, 2], None),
-    ("a list of weights", [{"bridge": 5}], None),
+    ("a list of weights", [{"celery": 5}], None),
     ("a class of null", {"A": None}, None),
     ("a class of a number", {"A": 5}, None),
     ("a class of a string", {"A": "bridge"}, None),
     ("a class of a list", {"A": [5]}, None),
     ("a class keyed by a number", {"A": {"0": 5}}, None),
-    ("a percentage as a string", {"A": {"bridge": "5"}}, None),
-    ("a percentage with a sign", {"A": {"native": "50%"}}, None),
-    ("a percentage of null", {"A": {"bridge": None}}, None),
-    ("a percentage of true", {"A": {"bridge": True}}, None),
-    ("a percentage of false", {"A": {"native": False}}, None),
-    ("a percentage of an object", {"A": {"bridge": {"value": 5}}}, None),
-    ("a percentage of a list", {"A": {"bridge": [5]}}, None),
-    ("over 100", {"A": {"bridge": 101}}, None),
-    ("just over 100", {"A": {"bridge": 100.0001}}, None),
-    ("a huge integer", Raw('{"A": {"bridge": 100000000000000000000}}'), None),
-    ("a huge float", {"A": {"bridge": 1e20}}, None),
-    ("negative", {"A": {"bridge": -1}}, None),
-    ("negative, a fraction", {"A": {"native": -0.5}}, None),
+    ("a percentage as a string", {"A": {"celery": "5"}}, None),
+    ("a percentage with a sign", {"A": {"python": "50%"}}, None),
+    ("a percentage of null", {"A": {"celery": None}}, None),
+    ("a percentage of true", {"A": {"celery": True}}, None),
+    ("a percentage of false", {"A": {"python": False}}, None),
+    ("a percentage of an object", {"A": {"celery": {"value": 5}}}, None),
+    ("a percentage of a list", {"A": {"celery": [5]}}, None),
+    ("over 100", {"A": {"celery": 101}}, None),
+    ("just over 100", {"A": {"celery": 100.0001}}, None),
+    ("a huge integer", Raw('{"A": {"celery": 100000000000000000000}}'), None),
+    ("a huge float", {"A": {"celery": 1e20}}, None),
+    ("negative", {"A": {"celery": -1}}, None),
+    ("negative, a fraction", {"A": {"python": -0.5}}, None),
     ("an unknown level", {"A": {"web": 5}}, None),
     ("a level in capitals", {"A": {"Bridge": 5}}, None),
-    ("two levels partial", {"A": {"bridge": 50, "native": 20}}, None),
+    ("two levels partial", {"A": {"celery": 50, "python": 20}}, None),
     (
         "a shared level beside a ramp",
-        {"A": {"native": 20, "ramp": {"level": "bridge", "steps": [5]}}},
+        {"A": {"python": 20, "ramp": {"level": "celery", "steps": [5]}}},
         None,
     ),
     (
         "a ramp and its level's weight",
-        {"A": {"bridge": 5, "ramp": {"level": "bridge", "steps": [5]}}},
+        {"A": {"celery": 5, "ramp": {"level": "celery", "steps": [5]}}},
         None,
     ),
     ("a ramp of null", {"A": {"ramp": None}}, None),
     ("a ramp of a list", {"A": {"ramp": [1, 5]}}, None),
     ("an empty ramp", {"A": {"ramp": {}}}, None),
     ("an empty ramp, as PHP stores it", {"A": {"ramp": []}}, None),
-    ("a ramp's unknown key", {"A": {"ramp": {"level": "bridge", "steps": [5], "speed": 2}}}, None),
+    ("a ramp's unknown key", {"A": {"ramp": {"level": "celery", "steps": [5], "speed": 2}}}, None),
     ("a ramp without a level", {"A": {"ramp": {"steps": [5]}}}, None),
     ("a ramp's unknown level", {"A": {"ramp": {"level": "web", "steps": [5]}}}, None),
     ("a ramp's level of null", {"A": {"ramp": {"level": None, "steps": [5]}}}, None),
-    ("a ramp's level in a list", {"A": {"ramp": {"level": ["bridge"], "steps": [5]}}}, None),
-    ("a ramp without steps", {"A": {"ramp": {"level": "bridge"}}}, None),
-    ("a ramp of no steps", {"A": {"ramp": {"level": "bridge", "steps": []}}}, None),
-    ("a ramp's steps of a number", {"A": {"ramp": {"level": "bridge", "steps": 5}}}, None),
-    ("a ramp's steps keyed", {"A": {"ramp": {"level": "bridge", "steps": {"a": 5}}}}, None),
-    ("a ramp's step as a string", {"A": {"ramp": {"level": "bridge", "steps": ["5"]}}}, None),
-    ("a ramp's step of 0", {"A": {"ramp": {"level": "bridge", "steps": [0, 5]}}}, None),
-    ("a ramp's step over 100", {"A": {"ramp": {"level": "native", "steps": [5, 101]}}}, None),
-    ("a ramp's steps falling", {"A": {"ramp": {"level": "bridge", "steps": [10, 5]}}}, None),
-    ("a ramp's steps repeated", {"A": {"ramp": {"level": "bridge", "steps": [5, 5]}}}, None),
+    ("a ramp's level in a list", {"A": {"ramp": {"level": ["celery"], "steps": [5]}}}, None),
+    ("a ramp without steps", {"A": {"ramp": {"level": "celery"}}}, None),
+    ("a ramp of no steps", {"A": {"ramp": {"level": "celery", "steps": []}}}, None),
+    ("a ramp's steps of a number", {"A": {"ramp": {"level": "celery", "steps": 5}}}, None),
+    ("a ramp's steps keyed", {"A": {"ramp": {"level": "celery", "steps": {"a": 5}}}}, None),
+    ("a ramp's step as a string", {"A": {"ramp": {"level": "celery", "steps": ["5"]}}}, None),
+    ("a ramp's step of 0", {"A": {"ramp": {"level": "celery", "steps": [0, 5]}}}, None),
+    ("a ramp's step over 100", {"A": {"ramp": {"level": "python", "steps": [5, 101]}}}, None),
+    ("a ramp's steps falling", {"A": {"ramp": {"level": "celery", "steps": [10, 5]}}}, None),
+    ("a ramp's steps repeated", {"A": {"ramp": {"level": "celery", "steps": [5, 5]}}}, None),
     (
         "a ramp's steps equal once rounded",
-        {"A": {"ramp": {"level": "bridge", "steps": [5, 5.00001]}}},
+        {"A": {"ramp": {"level": "celery", "steps": [5, 5.00001]}}},
         None,
     ),
-    ("a dwell of 0", {"A": {"ramp": {"level": "bridge", "steps": [5], "dwell": 0}}}, None),
-    ("a negative dwell", {"A": {"ramp": {"level": "bridge", "steps": [5], "dwell": -60}}}, None),
+    ("a dwell of 0", {"A": {"ramp": {"level": "celery", "steps": [5], "dwell": 0}}}, None),
+    ("a negative dwell", {"A": {"ramp": {"level": "celery", "steps": [5], "dwell": -60}}}, None),
     (
         "a dwell as a float",
-        {"A": {"ramp": {"level": "bridge", "steps": [5], "dwell": 600.0}}},
+        {"A": {"ramp": {"level": "celery", "steps": [5], "dwell": 600.0}}},
         None,
     ),
     (
         "a dwell as a string",
-        {"A": {"ramp": {"level": "bridge", "steps": [5], "dwell": "600"}}},
+        {"A": {"ramp": {"level": "celery", "steps": [5], "dwell": "600"}}},
         None,
     ),
-    ("a dwell of true", {"A": {"ramp": {"level": "bridge", "steps": [5], "dwell": True}}}, None),
-    ("a dwell of null", {"A": {"ramp": {"level": "bridge", "steps": [5], "dwell": None}}}, None),
+    ("a dwell of true", {"A": {"ramp": {"level": "celery", "steps": [5], "dwell": True}}}, None),
+    ("a dwell of null", {"A": {"ramp": {"level": "celery", "steps": [5], "dwell": None}}}, None),
     (
         "a huge dwell",
-        Raw('{"A": {"ramp": {"level": "bridge", "steps": [5], "dwell": 100000000000000000000}}}'),
+        Raw('{"A": {"ramp": {"level": "celery", "steps": [5], "dwell": 100000000000000000000}}}'),
         None,
     ),
-    ("a default of 50", {"*": {"bridge": 50}}, None),
-    ("a default with guard bounds", {"*": {"bridge": 0, "guard": {}}}, None),
+    ("a default of 50", {"*": {"celery": 50}}, None),
+    ("a default with guard bounds", {"*": {"celery": 0, "guard": {}}}, None),
     ("guard bounds of a list", {"A": {"guard": [1]}}, None),
     ("guard bounds of a string", {"A": {"guard": "strict"}}, None),
     ("an unknown guard bound", {"A": {"guard": {"max_drop": 0.1, "window": 60}}}, None),
@@ -322,27 +314,27 @@ CASES: list[tuple[str, Any, Any]] = [
     ("a guard's max_yielding of a fraction", {"A": {"guard": {"max_yielding": 1.5}}}, None),
     ("a guard's max_yielding of 0", {"A": {"guard": {"max_yielding": 0}}}, None),
     ("a guard's bound of null", {"A": {"guard": {"max_drop": None}}}, None),
-    ("a default of a fraction", {"*": {"native": 0.5}}, None),
-    ("a default with a ramp", {"*": {"ramp": {"level": "bridge", "steps": [5]}}}, None),
+    ("a default of a fraction", {"*": {"python": 0.5}}, None),
+    ("a default with a ramp", {"*": {"ramp": {"level": "celery", "steps": [5]}}}, None),
     (
         "a bad default after a bad class: the default's refusal",
-        {"A": {"bridge": 200}, "*": {"bridge": 50}},
+        {"A": {"celery": 200}, "*": {"celery": 50}},
         None,
     ),
     ("a default of a number", {"*": 0}, None),
     ("a default of null", {"*": None}, None),
     ("a default of a string", {"*": "bridge"}, None),
     ("a default's unknown level", {"*": {"phd": 100}}, None),
-    ("garbage deep in a class", {"A": {"bridge": {"bridge": {"bridge": [[{}]]}}}}, None),
-    ("classes keyed 0, 1: a list to PHP", {"0": {"bridge": 5}, "1": {"bridge": 6}}, None),
+    ("garbage deep in a class", {"A": {"celery": {"celery": {"celery": [[{}]]}}}}, None),
+    ("classes keyed 0, 1: a list to PHP", {"0": {"celery": 5}, "1": {"celery": 6}}, None),
     ("weights nested 512 deep", Raw('{"A": ' + "[" * 511 + "]" * 511 + "}"), None),
     ("weights nested past Python's recursion", Raw('{"A": ' + "[" * 5000 + "]" * 5000 + "}"), None),
-    ("a lone surrogate", Raw('{"\\ud800": {"bridge": 5}}'), None),
-    ("one bad class among good ones", {"A": {"bridge": 5}, "B": {"native": 200}}, None),
+    ("a lone surrogate", Raw('{"\\ud800": {"celery": 5}}'), None),
+    ("one bad class among good ones", {"A": {"celery": 5}, "B": {"python": 200}}, None),
     # -- the state refused ---------------------------------------------------------------
     ("a state not JSON", None, Raw("{classes")),
     ("an empty state row", None, Raw("")),
-    ("a state with NaN", None, Raw('{"classes": {"A": {"bridge": {"rolled_back": {"at": NaN}}}}}')),
+    ("a state with NaN", None, Raw('{"classes": {"A": {"celery": {"rolled_back": {"at": NaN}}}}}')),
     ("a state of a number", None, 5),
     ("a state of a string", None, "x"),
     ("a state of an empty string", None, ""),
@@ -358,42 +350,42 @@ CASES: list[tuple[str, Any, Any]] = [
     ("a state's class of zero", None, state_of({"A": 0})),
     ("a state's class of a number", None, state_of({"A": 5})),
     ("a state's class of a list", None, state_of({"A": [1]})),
-    ("a level of null", None, state_of({"A": {"bridge": None}})),
-    ("a level of a number", None, state_of({"A": {"bridge": 5}})),
-    ("a level of a list", None, state_of({"A": {"bridge": [1]}})),
-    ("a step of null", RAMP_A, state_of({"A": {"bridge": {"step": None}}})),
-    ("a step as a word", RAMP_A, state_of({"A": {"bridge": {"step": "x"}}})),
-    ("a step as a number in a string", RAMP_A, state_of({"A": {"bridge": {"step": "2"}}})),
-    ("a step as a padded string", RAMP_A, state_of({"A": {"bridge": {"step": " 1 "}}})),
-    ("a step as a decimal string", RAMP_A, state_of({"A": {"bridge": {"step": "1.5"}}})),
-    ("a step with underscores", RAMP_A, state_of({"A": {"bridge": {"step": "1_0"}}})),
-    ("a step as a float", RAMP_A, state_of({"A": {"bridge": {"step": 1.9}}})),
-    ("a step as a whole float", RAMP_A, state_of({"A": {"bridge": {"step": 1.0}}})),
-    ("a step of true", RAMP_A, state_of({"A": {"bridge": {"step": True}}})),
-    ("a negative step", RAMP_A, state_of({"A": {"bridge": {"step": -1}}})),
-    ("a huge float step", RAMP_A, state_of({"A": {"bridge": {"step": 1e300}}})),
+    ("a level of null", None, state_of({"A": {"celery": None}})),
+    ("a level of a number", None, state_of({"A": {"celery": 5}})),
+    ("a level of a list", None, state_of({"A": {"celery": [1]}})),
+    ("a step of null", RAMP_A, state_of({"A": {"celery": {"step": None}}})),
+    ("a step as a word", RAMP_A, state_of({"A": {"celery": {"step": "x"}}})),
+    ("a step as a number in a string", RAMP_A, state_of({"A": {"celery": {"step": "2"}}})),
+    ("a step as a padded string", RAMP_A, state_of({"A": {"celery": {"step": " 1 "}}})),
+    ("a step as a decimal string", RAMP_A, state_of({"A": {"celery": {"step": "1.5"}}})),
+    ("a step with underscores", RAMP_A, state_of({"A": {"celery": {"step": "1_0"}}})),
+    ("a step as a float", RAMP_A, state_of({"A": {"celery": {"step": 1.9}}})),
+    ("a step as a whole float", RAMP_A, state_of({"A": {"celery": {"step": 1.0}}})),
+    ("a step of true", RAMP_A, state_of({"A": {"celery": {"step": True}}})),
+    ("a negative step", RAMP_A, state_of({"A": {"celery": {"step": -1}}})),
+    ("a huge float step", RAMP_A, state_of({"A": {"celery": {"step": 1e300}}})),
     (
         "a step past PHP's integers",
         RAMP_A,
-        Raw('{"classes": {"A": {"bridge": {"step": 100000000000000000000}}}}'),
+        Raw('{"classes": {"A": {"celery": {"step": 100000000000000000000}}}}'),
     ),
-    ("a step of a list", RAMP_A, state_of({"A": {"bridge": {"step": [1]}}})),
-    ("a step of an object", RAMP_A, state_of({"A": {"bridge": {"step": {"n": 1}}}})),
-    ("a rollback of true", None, state_of({"A": {"bridge": {"rolled_back": True}}})),
-    ("a rollback of a number", None, state_of({"A": {"bridge": {"rolled_back": 1_700_000_000}}})),
-    ("a rollback of a string", None, state_of({"A": {"bridge": {"rolled_back": "guard"}}})),
-    ("a rollback of a list", None, state_of({"A": {"bridge": {"rolled_back": [1_700_000_000]}}})),
-    ("a rollback of false", None, state_of({"A": {"bridge": {"rolled_back": False}}})),
-    ("a rollback of zero", None, state_of({"A": {"bridge": {"rolled_back": 0}}})),
-    ("a rollback of an empty string", None, state_of({"A": {"bridge": {"rolled_back": ""}}})),
-    ("a rollback of the string 0", None, state_of({"A": {"bridge": {"rolled_back": "0"}}})),
+    ("a step of a list", RAMP_A, state_of({"A": {"celery": {"step": [1]}}})),
+    ("a step of an object", RAMP_A, state_of({"A": {"celery": {"step": {"n": 1}}}})),
+    ("a rollback of true", None, state_of({"A": {"celery": {"rolled_back": True}}})),
+    ("a rollback of a number", None, state_of({"A": {"celery": {"rolled_back": 1_700_000_000}}})),
+    ("a rollback of a string", None, state_of({"A": {"celery": {"rolled_back": "guard"}}})),
+    ("a rollback of a list", None, state_of({"A": {"celery": {"rolled_back": [1_700_000_000]}}})),
+    ("a rollback of false", None, state_of({"A": {"celery": {"rolled_back": False}}})),
+    ("a rollback of zero", None, state_of({"A": {"celery": {"rolled_back": 0}}})),
+    ("a rollback of an empty string", None, state_of({"A": {"celery": {"rolled_back": ""}}})),
+    ("a rollback of the string 0", None, state_of({"A": {"celery": {"rolled_back": "0"}}})),
     ("a level keyed 0: a list to PHP", None, state_of({"A": {"0": {"step": 1}}})),
-    ("a class keyed 0: a list to PHP", None, state_of({"0": {"bridge": rolled()}})),
+    ("a class keyed 0: a list to PHP", None, state_of({"0": {"celery": rolled()}})),
     ("a state nested 512 deep", None, Raw(nested(512))),
     (
         "a lone surrogate in the state",
         None,
-        Raw('{"classes": {"A": {"bridge": {"rolled_back": {"at": 1, "reason": "\\udc00"}}}}}'),
+        Raw('{"classes": {"A": {"celery": {"rolled_back": {"at": 1, "reason": "\\udc00"}}}}}'),
     ),
     ("history of null", None, {"history": None}),
     ("history of a string", None, {"history": "rollback"}),
@@ -407,13 +399,13 @@ CASES: list[tuple[str, Any, Any]] = [
         None,
         {"history": [{k: v for k, v in EVENT.items() if k != "weight"}]},
     ),
-    ("both refused", {"A": {"bridge": 250}}, {"history": [{}]}),
+    ("both refused", {"A": {"celery": 250}}, {"history": [{}]}),
 ]
 
 
-SHARED = {"A": {"bridge": 20}, "B": {"native": 50}, "C": {}, "*": {"bridge": 0}}
-RAMPED = {**RAMP_A, "D": {"bridge": 0}}
-RAMP_STEP = {"classes": {"A": {"bridge": {"step": 1, "step_since": 1}}}, "history": []}
+SHARED = {"A": {"celery": 20}, "B": {"python": 50}, "C": {}, "*": {"celery": 0}}
+RAMPED = {**RAMP_A, "D": {"celery": 0}}
+RAMP_STEP = {"classes": {"A": {"celery": {"step": 1, "step_since": 1}}}, "history": []}
 # The config table at each read of one canary (None: it cannot be read).
 READS: list[dict[str, str] | None] = [
     {OPTION: json.dumps(SHARED)},
@@ -421,7 +413,7 @@ READS: list[dict[str, str] | None] = [
     None,
     {OPTION: json.dumps(RAMPED), STATE_OPTION: json.dumps(RAMP_STEP)},
     None,
-    {OPTION: json.dumps(RAMPED), STATE_OPTION: json.dumps(state_of({"A": {"bridge": rolled()}}))},
+    {OPTION: json.dumps(RAMPED), STATE_OPTION: json.dumps(state_of({"A": {"celery": rolled()}}))},
     None,
 ]
 
@@ -542,7 +534,7 @@ def test_the_buckets_are_pythons(answers: Answers) -> None:
     for level in LEVELS:
         assert php[level] == [bucket(level, i) for i in BUCKET_IDS], level
     # A fifth of the ids below 2000: the hash spreads them.
-    share = sum(1 for b in php[BRIDGE][:10_000] if b < 2000) / 10_000
+    share = sum(1 for b in php[CELERY][:10_000] if b < 2000) / 10_000
     assert abs(share - 0.20) <= 0.015, share
 
 
@@ -575,7 +567,7 @@ def test_php_fails_closed_as_python(answers: Answers, caplog: pytest.LogCaptureF
         python.append({c: {lv: canary.weight(c, lv) for lv in LEVELS} for c in CLASSES})
     assert answers[1]["reads"] == python
     assert answers[1]["logged"] == len(caplog.records) == 3
-    assert python[1]["A"][BRIDGE] == 0 and python[4]["A"][BRIDGE] == 0
+    assert python[1]["A"][CELERY] == 0 and python[4]["A"][CELERY] == 0
 
 
 def test_the_table_names_each_case_once() -> None:

@@ -15,10 +15,11 @@ from canary_archive import archived, owner
 from bridge.assembly import build_registry
 from bridge.canary.guard import Suspicions, guard_once, note_versions
 from bridge.canary.store import CanaryStore
-from bridge.canary.weights import BRIDGE, NATIVE, VERSION, CanaryState, canary_of
+from bridge.canary.weights import VERSION, CanaryState, canary_of
 from bridge.config import load_settings
 from bridge.handlers.phabricator import PhabricatorTestWorker
 from bridge.handlers.registry import Coverage, Registry
+from bridge.queue.implementations import CELERY, PYTHON
 from bridge.routing import Router
 from bridge.runtime.announce import Announcement
 from bridge.runtime.canary_guard import new_side_versions
@@ -95,15 +96,15 @@ def test_the_new_side_s_version_is_what_the_workers_that_would_run_it_announce()
         "c@h": node("c@h", ("php",), "handlers 9.9", "git ccc"),  # not on A's queue
         "d@h": node("d@h", ("fast",), None, "git ddd"),  # no handler: runs A in PHP
     }
-    native = canary_of({"A": {"native": 50}}, None)
-    assert new_side_versions(native, nodes, ROUTER) == {("A", NATIVE): "handlers 1.2, handlers 1.3"}
-    # At the bridge level, what runs the bridge's share: the PHP path while the native
+    native = canary_of({"A": {"python": 50}}, None)
+    assert new_side_versions(native, nodes, ROUTER) == {("A", PYTHON): "handlers 1.2, handlers 1.3"}
+    # At the celery level, what runs the bridge's share: the PHP path while the native
     # weight is 0, the native handler where it is 100 (and PHP where there is none).
-    php = canary_of({"A": {"bridge": 50, "native": 0}}, None)
-    assert new_side_versions(php, nodes, ROUTER) == {("A", BRIDGE): "git aaa, git ddd"}
-    both = canary_of({"A": {"bridge": 50, "native": 100}}, None)
+    php = canary_of({"A": {"celery": 50, "python": 0}}, None)
+    assert new_side_versions(php, nodes, ROUTER) == {("A", CELERY): "git aaa, git ddd"}
+    both = canary_of({"A": {"celery": 50, "python": 100}}, None)
     assert new_side_versions(both, nodes, ROUTER) == {
-        ("A", BRIDGE): "git ddd, handlers 1.2, handlers 1.3"
+        ("A", CELERY): "git ddd, handlers 1.2, handlers 1.3"
     }
     assert new_side_versions(native, {}, ROUTER) == {}, "nobody announced: nothing known"
 
@@ -112,27 +113,27 @@ def test_the_new_side_s_version_is_what_the_workers_that_would_run_it_announce()
 
 
 def test_a_first_version_is_recorded_and_a_new_one_is_an_event_that_judges_afresh():
-    state = CanaryState().with_version("C", NATIVE, 100, "handlers 1.2", 50)
-    assert state.of("C", NATIVE).version == "handlers 1.2"
-    assert state.history == () and state.judged_since("C", NATIVE) is None
-    state = state.with_version("C", NATIVE, 200, "handlers 1.3", 50)
+    state = CanaryState().with_version("C", PYTHON, 100, "handlers 1.2", 50)
+    assert state.of("C", PYTHON).version == "handlers 1.2"
+    assert state.history == () and state.judged_since("C", PYTHON) is None
+    state = state.with_version("C", PYTHON, 200, "handlers 1.3", 50)
     (event,) = state.history
     assert (event.at, event.event, event.reason) == (200, VERSION, "handlers 1.2 -> handlers 1.3")
-    assert state.judged_since("C", NATIVE) == 200
-    assert state.judged_since("C", BRIDGE) is None
-    promoted = state.with_promotion("C", NATIVE, 300, 50)
-    assert promoted.of("C", NATIVE).version == "handlers 1.3", "a promotion keeps it"
-    assert promoted.judged_since("C", NATIVE) == 300
+    assert state.judged_since("C", PYTHON) == 200
+    assert state.judged_since("C", CELERY) is None
+    promoted = state.with_promotion("C", PYTHON, 300, 50)
+    assert promoted.of("C", PYTHON).version == "handlers 1.3", "a promotion keeps it"
+    assert promoted.judged_since("C", PYTHON) == 300
     read = CanaryState.from_json(state.to_json())
-    assert read.of("C", NATIVE).version == "handlers 1.3"
-    assert read.judged_since("C", NATIVE) == 200
+    assert read.of("C", PYTHON).version == "handlers 1.3"
+    assert read.judged_since("C", PYTHON) == 200
     with pytest.raises(ValueError):
-        CanaryState.from_json({"classes": {"C": {"native": {"step": 0, "version": 12}}}})
+        CanaryState.from_json({"classes": {"C": {"python": {"step": 0, "version": 12}}}})
 
 
 # -- the guard ---------------------------------------------------------------------------------
 
-WEIGHTS = {"C": {"native": 20}}
+WEIGHTS = {"C": {"python": 20}}
 
 
 def bad_new_side(engine, age: int = 0) -> None:
@@ -148,12 +149,12 @@ def test_a_new_version_forgets_the_suspicions_of_the_old_one(db):
     store.set_weights(WEIGHTS)
     suspicions = Suspicions(3)
     for _ in range(2):
-        suspicions.confirmed("C", NATIVE, "worse")
-    canary = note_versions(store, store.read(), {("C", NATIVE): "1.2"}, 100, suspicions)
-    assert canary.state.of("C", NATIVE).version == "1.2"
-    assert suspicions.confirmed("C", NATIVE, "worse"), "a first sight forgets nothing"
-    note_versions(store, canary, {("C", NATIVE): "1.3"}, 200, suspicions)
-    assert not suspicions.confirmed("C", NATIVE, "worse"), "counted afresh from one"
+        suspicions.confirmed("C", PYTHON, "worse")
+    canary = note_versions(store, store.read(), {("C", PYTHON): "1.2"}, 100, suspicions)
+    assert canary.state.of("C", PYTHON).version == "1.2"
+    assert suspicions.confirmed("C", PYTHON, "worse"), "a first sight forgets nothing"
+    note_versions(store, canary, {("C", PYTHON): "1.3"}, 200, suspicions)
+    assert not suspicions.confirmed("C", PYTHON, "worse"), "counted afresh from one"
 
 
 def test_a_new_version_of_the_new_side_is_judged_on_its_own_runs(db, caplog):
@@ -164,7 +165,7 @@ def test_a_new_version_of_the_new_side_is_judged_on_its_own_runs(db, caplog):
     store = CanaryStore(engine, None)
     store.set_weights(WEIGHTS)
     bad_new_side(engine, age=10)
-    announced = {("C", NATIVE): "handlers 1.2"}
+    announced = {("C", PYTHON): "handlers 1.2"}
 
     def judge() -> list[str]:
         return guard_once(store, engine, settings, suspicions, versions=lambda _: announced)
@@ -172,32 +173,32 @@ def test_a_new_version_of_the_new_side_is_judged_on_its_own_runs(db, caplog):
     suspicions = Suspicions(3)
     assert [judge(), judge()] == [[], []]
     assert store.read().state.history == ()
-    announced = {("C", NATIVE): "handlers 1.3"}
+    announced = {("C", PYTHON): "handlers 1.3"}
     caplog.set_level(logging.WARNING, logger="bridge.canary")
     assert judge() == []
     canary = store.read()
     (event,) = canary.state.history
     assert (event.event, event.reason) == (VERSION, "handlers 1.2 -> handlers 1.3")
-    assert canary.state.judged_since("C", NATIVE) == event.at
-    assert canary.weight("C", NATIVE) == 2000
+    assert canary.state.judged_since("C", PYTHON) == event.at
+    assert canary.weight("C", PYTHON) == 2000
     assert [r.getMessage() for r in caplog.records] == [
-        "canary: C (native) runs handlers 1.3 on its new side (was handlers 1.2): "
+        "canary: C (python) runs handlers 1.3 on its new side (was handlers 1.2): "
         "judged afresh from now"
     ]
     bad_new_side(engine)
-    assert [judge(), judge(), judge()] == [[], [], ["rollback C (native)"]]
-    assert store.read().state.of("C", NATIVE).version == "handlers 1.3"
+    assert [judge(), judge(), judge()] == [[], [], ["rollback C (python)"]]
+    assert store.read().state.of("C", PYTHON).version == "handlers 1.3"
 
 
 def test_a_version_announced_for_a_class_not_shared_is_not_recorded(db):
     engine, settings = db
     store = CanaryStore(engine, None)
-    store.set_weights({"C": {"native": 100}, "D": {"native": 20}})
-    versions = {("C", NATIVE): "handlers 1.2", ("D", NATIVE): "handlers 1.2"}
+    store.set_weights({"C": {"python": 100}, "D": {"python": 20}})
+    versions = {("C", PYTHON): "handlers 1.2", ("D", PYTHON): "handlers 1.2"}
     assert guard_once(store, engine, settings, Suspicions(3), versions=lambda _: versions) == []
     state = store.read().state
-    assert state.of("C", NATIVE).version is None
-    assert state.of("D", NATIVE).version == "handlers 1.2"
+    assert state.of("C", PYTHON).version is None
+    assert state.of("D", PYTHON).version == "handlers 1.2"
 
 
 def test_a_worker_announces_its_runner_s_stamp_and_no_version_for_conduit(tmp_path: Path):

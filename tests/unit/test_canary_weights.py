@@ -9,12 +9,10 @@ import zlib
 import pytest
 
 from bridge.canary.weights import (
-    BRIDGE,
     CLOSED,
     FELL_BACK,
     HISTORY_PER_CLASS,
     LABEL_ROOM,
-    NATIVE,
     NEW,
     NO_CANARY,
     OLD,
@@ -34,21 +32,22 @@ from bridge.canary.weights import (
     side_of,
 )
 from bridge.errors import ConfigError
+from bridge.queue.implementations import CELERY, PYTHON
 from bridge.queue.model import label_of
 
 IDS = range(1, 10_001)
 
 
 def test_the_bucket_is_crc32_of_level_and_id_and_stable():
-    assert bucket(BRIDGE, 42) == zlib.crc32(b"bridge:42") % SCALE
-    assert bucket(NATIVE, 42) == zlib.crc32(b"native:42") % SCALE
+    assert bucket(CELERY, 42) == zlib.crc32(b"celery:42") % SCALE
+    assert bucket(PYTHON, 42) == zlib.crc32(b"python:42") % SCALE
     # Pinned, as PHP's crc32() gives them (a change would move tasks between the sides
     # mid-migration); MySQL's CRC32() is checked in tests/integration/test_canary_store.py.
-    assert [bucket(BRIDGE, n) for n in (1, 2, 1000)] == [8032, 8650, 6352]
-    assert [bucket(NATIVE, n) for n in (1, 2, 1000)] == [1906, 8776, 7841]
+    assert [bucket(CELERY, n) for n in (1, 2, 1000)] == [3300, 4846, 6057]
+    assert [bucket(PYTHON, n) for n in (1, 2, 1000)] == [2374, 3388, 9712]
 
 
-@pytest.mark.parametrize("level", [BRIDGE, NATIVE])
+@pytest.mark.parametrize("level", [CELERY, PYTHON])
 @pytest.mark.parametrize("share", [5, 20, 50])
 def test_the_new_side_takes_its_share_within_one_and_a_half_points(level, share):
     canary = canary_of({"C": {level: share}}, None)
@@ -59,26 +58,26 @@ def test_the_new_side_takes_its_share_within_one_and_a_half_points(level, share)
 
 
 def test_the_levels_split_independently():
-    at_bridge = {n for n in IDS if bucket(BRIDGE, n) < 2000}
-    at_native = {n for n in IDS if bucket(NATIVE, n) < 2000}
+    at_bridge = {n for n in IDS if bucket(CELERY, n) < 2000}
+    at_native = {n for n in IDS if bucket(PYTHON, n) < 2000}
     assert at_bridge != at_native
 
 
 def test_zero_and_a_hundred_and_a_failed_row():
-    canary = canary_of({"Half": {"bridge": 50}, "None": {"bridge": 0}}, None)
-    assert all(canary.takes(BRIDGE, "Other", n, None) for n in range(50))  # default: 100
-    assert all(canary.takes(BRIDGE, "Other", n, 1700000000) for n in range(50))
-    assert not any(canary.takes(BRIDGE, "None", n, None) for n in range(50))
+    canary = canary_of({"Half": {"celery": 50}, "None": {"celery": 0}}, None)
+    assert all(canary.takes(CELERY, "Other", n, None) for n in range(50))  # default: 100
+    assert all(canary.takes(CELERY, "Other", n, 1700000000) for n in range(50))
+    assert not any(canary.takes(CELERY, "None", n, None) for n in range(50))
     # A row that failed (or fell back) is the old side's, whatever its bucket.
-    new = [n for n in range(50) if canary.takes(BRIDGE, "Half", n, None)]
-    assert new and not any(canary.takes(BRIDGE, "Half", n, 1700000000) for n in new)
-    assert NO_CANARY.weight("Anything", NATIVE) == SCALE
+    new = [n for n in range(50) if canary.takes(CELERY, "Half", n, None)]
+    assert new and not any(canary.takes(CELERY, "Half", n, 1700000000) for n in new)
+    assert NO_CANARY.weight("Anything", PYTHON) == SCALE
 
 
 def test_the_default_entry_applies_to_classes_not_named():
-    canary = canary_of({"*": {"bridge": 0}, "Moved": {"bridge": 100}}, None)
-    assert canary.weight("Unnamed", BRIDGE) == 0
-    assert canary.weight("Moved", BRIDGE) == SCALE
+    canary = canary_of({"*": {"celery": 0}, "Moved": {"celery": 100}}, None)
+    assert canary.weight("Unnamed", CELERY) == 0
+    assert canary.weight("Moved", CELERY) == SCALE
     assert canary.named == ["Moved"]
     assert canary.partial() == []
 
@@ -106,25 +105,25 @@ def test_a_runs_label_counts_the_followups_it_queued():
     assert label_parts("runner") == ("runner", 0)
     assert label_parts(None) == (None, 0)
     assert label_parts("native~x") == ("native", 0)
-    assert side_of(NATIVE, "native~2") == "new"
-    assert side_of(NATIVE, "runner-fallback~1") == "fallback"
-    assert side_of(BRIDGE, "runner~3") == "new"
+    assert side_of(PYTHON, "native~2") == "new"
+    assert side_of(PYTHON, "runner-fallback~1") == "fallback"
+    assert side_of(CELERY, "runner~3") == "new"
 
 
 @pytest.mark.parametrize(
     ("level", "label", "side"),
     [
-        (NATIVE, "native", NEW),
-        (NATIVE, "runner", OLD),
-        (NATIVE, "conduit", OLD),
-        (NATIVE, "runner-fallback", FELL_BACK),
-        (NATIVE, "conduit-fallback", FELL_BACK),
-        (BRIDGE, None, OLD),
-        (BRIDGE, "phd", OLD),
-        (BRIDGE, "phd-fallback", FELL_BACK),
-        (BRIDGE, "native", NEW),
-        (BRIDGE, "runner", NEW),
-        (BRIDGE, "conduit", NEW),
+        (PYTHON, "native", NEW),
+        (PYTHON, "runner", OLD),
+        (PYTHON, "conduit", OLD),
+        (PYTHON, "runner-fallback", FELL_BACK),
+        (PYTHON, "conduit-fallback", FELL_BACK),
+        (CELERY, None, OLD),
+        (CELERY, "phd", OLD),
+        (CELERY, "phd-fallback", FELL_BACK),
+        (CELERY, "native", NEW),
+        (CELERY, "runner", NEW),
+        (CELERY, "conduit", NEW),
     ],
 )
 def test_side_of_a_label(level, label, side):
@@ -134,22 +133,22 @@ def test_side_of_a_label(level, label, side):
 @pytest.mark.parametrize(
     ("value", "names"),
     [
-        ({"Mail": {"bridge": 101}}, "Mail.bridge"),
-        ({"Mail": {"bridge": -1}}, "Mail.bridge"),
-        ({"Mail": {"bridge": "5"}}, "Mail.bridge"),
-        ({"Mail": {"bridge": True}}, "Mail.bridge"),
+        ({"Mail": {"celery": 101}}, "Mail.celery"),
+        ({"Mail": {"celery": -1}}, "Mail.celery"),
+        ({"Mail": {"celery": "5"}}, "Mail.celery"),
+        ({"Mail": {"celery": True}}, "Mail.celery"),
         ({"Mail": {"natve": 5}}, "Mail"),
         ({"Mail": 5}, "Mail"),
         ({"Mail": {"ramp": {"level": "phd", "steps": [1]}}}, "Mail.ramp.level"),
-        ({"Mail": {"ramp": {"level": "bridge", "steps": [5, 1]}}}, "Mail.ramp.steps"),
-        ({"Mail": {"ramp": {"level": "bridge", "steps": [0, 5]}}}, "Mail.ramp.steps"),
-        ({"Mail": {"ramp": {"level": "bridge", "steps": []}}}, "Mail.ramp.steps"),
-        ({"Mail": {"ramp": {"level": "bridge", "steps": [5], "dwell": 0}}}, "Mail.ramp.dwell"),
+        ({"Mail": {"ramp": {"level": "celery", "steps": [5, 1]}}}, "Mail.ramp.steps"),
+        ({"Mail": {"ramp": {"level": "celery", "steps": [0, 5]}}}, "Mail.ramp.steps"),
+        ({"Mail": {"ramp": {"level": "celery", "steps": []}}}, "Mail.ramp.steps"),
+        ({"Mail": {"ramp": {"level": "celery", "steps": [5], "dwell": 0}}}, "Mail.ramp.dwell"),
         # Past PHP's integers: a float there.
-        ({"Mail": {"ramp": {"level": "bridge", "steps": [5], "dwell": 2**63}}}, "Mail.ramp.dwell"),
+        ({"Mail": {"ramp": {"level": "celery", "steps": [5], "dwell": 2**63}}}, "Mail.ramp.dwell"),
         ({"Mail": {"ramp": []}}, "Mail.ramp.level"),  # PHP's {}: no level
-        ({"Mail": {"bridge": 5, "ramp": {"level": "bridge", "steps": [5]}}}, "Mail"),
-        ({"*": {"bridge": 5}}, "*"),
+        ({"Mail": {"celery": 5, "ramp": {"level": "celery", "steps": [5]}}}, "Mail"),
+        ({"*": {"celery": 5}}, "*"),
         ([1, 2], "JSON object"),
     ],
 )
@@ -163,14 +162,14 @@ def test_bad_weights_name_the_option_and_the_class(value, names):
 
 def test_only_one_level_may_be_shared():
     with pytest.raises(ConfigError, match="Mail: only one level may be shared at a time"):
-        parse_weights({"Mail": {"bridge": 50, "native": 50}})
+        parse_weights({"Mail": {"celery": 50, "python": 50}})
     with pytest.raises(ConfigError, match="only one level"):
-        parse_weights({"Mail": {"native": 20, "ramp": {"level": "bridge", "steps": [5]}}})
+        parse_weights({"Mail": {"python": 20, "ramp": {"level": "celery", "steps": [5]}}})
     # One level shared, the other at 0 or 100: one level shares the class.
-    assert parse_weights({"Mail": {"bridge": 100, "native": 20}})["Mail"].native == 2000
-    assert parse_weights({"Mail": {"bridge": 0, "native": 20}})["Mail"].native == 2000
-    ramped = parse_weights({"Mail": {"native": 0, "ramp": {"level": "bridge", "steps": [5]}}})
-    assert (ramped["Mail"].bridge, ramped["Mail"].native) == (SCALE, 0)
+    assert parse_weights({"Mail": {"celery": 100, "python": 20}})["Mail"].python == 2000
+    assert parse_weights({"Mail": {"celery": 0, "python": 20}})["Mail"].python == 2000
+    ramped = parse_weights({"Mail": {"python": 0, "ramp": {"level": "celery", "steps": [5]}}})
+    assert (ramped["Mail"].celery, ramped["Mail"].python) == (SCALE, 0)
 
 
 def test_php_writes_an_empty_option_as_an_empty_array():
@@ -178,80 +177,80 @@ def test_php_writes_an_empty_option_as_an_empty_array():
     assert CanaryState.from_json([]) == CanaryState()
     assert CanaryState.from_json({"classes": [], "history": []}) == CanaryState()
     assert CanaryState.from_json({"classes": {"C": []}, "history": {}}) == CanaryState()
-    state = CanaryState.from_json({"classes": {"C": {"bridge": [], "native": {"rolled_back": []}}}})
-    assert state.of("C", BRIDGE) == state.of("C", NATIVE) == LevelState()
+    state = CanaryState.from_json({"classes": {"C": {"celery": [], "python": {"rolled_back": []}}}})
+    assert state.of("C", CELERY) == state.of("C", PYTHON) == LevelState()
 
 
 @pytest.mark.parametrize("entry", [{}, []])  # `bin/config set '{"X": {}}'` stores {"X":[]}
 def test_a_level_left_out_is_the_defaults(entry):
-    canary = canary_of({"*": {"bridge": 0}, "X": entry, "Y": {"native": 50}}, None)
-    assert (canary.weight("X", BRIDGE), canary.weight("X", NATIVE)) == (0, SCALE)
-    # Named at the native level only, Y stays with phd: a share of nothing, yet.
-    assert (canary.weight("Y", BRIDGE), canary.weight("Y", NATIVE)) == (0, 5000)
-    assert canary.weight("Other", BRIDGE) == 0 and canary.named == ["X", "Y"]
+    canary = canary_of({"*": {"celery": 0}, "X": entry, "Y": {"python": 50}}, None)
+    assert (canary.weight("X", CELERY), canary.weight("X", PYTHON)) == (0, SCALE)
+    # Named at the python level only, Y stays with phd: a share of nothing, yet.
+    assert (canary.weight("Y", CELERY), canary.weight("Y", PYTHON)) == (0, 5000)
+    assert canary.weight("Other", CELERY) == 0 and canary.named == ["X", "Y"]
     # A ramp's own level starts from its first step, whatever the default says.
-    ramped = canary_of({"*": {"bridge": 0}, "Z": {"ramp": {"level": "bridge", "steps": [5]}}}, None)
-    assert ramped.weight("Z", BRIDGE) == 500
+    ramped = canary_of({"*": {"celery": 0}, "Z": {"ramp": {"level": "celery", "steps": [5]}}}, None)
+    assert ramped.weight("Z", CELERY) == 500
     # Without a default, a level left out is 100: `{}` is the class wholly new.
-    assert canary_of({"X": entry}, None).weight("X", BRIDGE) == SCALE
+    assert canary_of({"X": entry}, None).weight("X", CELERY) == SCALE
 
 
 def test_decimals_are_basis_points():
-    assert parse_weights({"C": {"native": 0.05}})["C"].native == 5
+    assert parse_weights({"C": {"python": 0.05}})["C"].python == 5
     assert percent(5) == 0.05 and percent(2000) == 20
 
 
-RAMP = {"C": {"ramp": {"level": "native", "steps": [1, 5, 25, 100], "dwell": 60}}}
+RAMP = {"C": {"ramp": {"level": "python", "steps": [1, 5, 25, 100], "dwell": 60}}}
 
 
 def test_effective_weight_follows_the_ramp_then_the_rollback():
     state = CanaryState()
     canary = canary_of(RAMP, state.to_json())
-    assert canary.weight("C", NATIVE) == 100 and canary.level_of("C") == NATIVE
-    assert canary.partial() == [("C", NATIVE, 100)]
-    state = state.with_step("C", NATIVE, 1000, 2, 25.0)
-    assert canary_of(RAMP, state.to_json()).weight("C", NATIVE) == 2500
-    state = state.with_step("C", NATIVE, 1060, 7, 100.0)  # past the end: clamped
-    assert canary_of(RAMP, state.to_json()).weight("C", NATIVE) == SCALE
-    state = state.with_rollback("C", NATIVE, 1100, "worse")
+    assert canary.weight("C", PYTHON) == 100 and canary.level_of("C") == PYTHON
+    assert canary.partial() == [("C", PYTHON, 100)]
+    state = state.with_step("C", PYTHON, 1000, 2, 25.0)
+    assert canary_of(RAMP, state.to_json()).weight("C", PYTHON) == 2500
+    state = state.with_step("C", PYTHON, 1060, 7, 100.0)  # past the end: clamped
+    assert canary_of(RAMP, state.to_json()).weight("C", PYTHON) == SCALE
+    state = state.with_rollback("C", PYTHON, 1100, "worse")
     rolled = canary_of(RAMP, state.to_json())
-    assert rolled.weight("C", NATIVE) == 0 and rolled.level_of("C") is None
-    assert rolled.weight("C", BRIDGE) == SCALE  # the other level is untouched
+    assert rolled.weight("C", PYTHON) == 0 and rolled.level_of("C") is None
+    assert rolled.weight("C", CELERY) == SCALE  # the other level is untouched
     assert rolled.partial() == []
     # Promotion clears it, and the ramp starts again from its first step.
-    promoted = state.with_promotion("C", NATIVE, 1200, 1.0, "fixed")
+    promoted = state.with_promotion("C", PYTHON, 1200, 1.0, "fixed")
     again = canary_of(RAMP, promoted.to_json())
-    assert again.weight("C", NATIVE) == 100
-    assert again.state.of("C", NATIVE) == LevelState(step=0, step_since=1200)
+    assert again.weight("C", PYTHON) == 100
+    assert again.state.of("C", PYTHON) == LevelState(step=0, step_since=1200)
 
 
 def test_a_rollback_of_a_fixed_weight_and_its_promotion():
-    weights = {"C": {"bridge": 5}}
-    state = CanaryState().with_rollback("C", BRIDGE, 10, "by hand")
-    assert canary_of(weights, state.to_json()).weight("C", BRIDGE) == 0
+    weights = {"C": {"celery": 5}}
+    state = CanaryState().with_rollback("C", CELERY, 10, "by hand")
+    assert canary_of(weights, state.to_json()).weight("C", CELERY) == 0
     # Also for a class not named at all (a class wholly moved, sent back).
-    assert canary_of({}, state.to_json()).weight("C", BRIDGE) == 0
-    promoted = state.with_promotion("C", BRIDGE, 20, 5.0)
-    assert canary_of(weights, promoted.to_json()).weight("C", BRIDGE) == 500
+    assert canary_of({}, state.to_json()).weight("C", CELERY) == 0
+    promoted = state.with_promotion("C", CELERY, 20, 5.0)
+    assert canary_of(weights, promoted.to_json()).weight("C", CELERY) == 500
 
 
 def test_the_state_round_trips_through_json():
     state = (
         CanaryState()
-        .with_rollback("A", NATIVE, 100, "new side success 70.0%")
-        .with_step("B", BRIDGE, 200, 1, 5.0)
-        .with_promotion("A", NATIVE, 300, 20.0, "fixed in 1.2")
-        .with_rollback("B", BRIDGE, 400, "slow")
-        .with_step("B", BRIDGE, 500, 2, 25.0, "by hand", event="promote")
-        .with_pause("B", BRIDGE, 600, True, 25.0)
+        .with_rollback("A", PYTHON, 100, "new side success 70.0%")
+        .with_step("B", CELERY, 200, 1, 5.0)
+        .with_promotion("A", PYTHON, 300, 20.0, "fixed in 1.2")
+        .with_rollback("B", CELERY, 400, "slow")
+        .with_step("B", CELERY, 500, 2, 25.0, "by hand", event="promote")
+        .with_pause("B", CELERY, 600, True, 25.0)
     )
     text = json.dumps(state.to_json())
     assert CanaryState.from_json(json.loads(text)) == state
     value = json.loads(text)
-    assert value["classes"]["B"]["bridge"]["rolled_back"] == {"at": 400, "reason": "slow"}
-    assert "rolled_back" not in value["classes"]["A"]["native"]
-    assert value["classes"]["B"]["bridge"]["paused"] is True
-    assert "paused" not in value["classes"]["A"]["native"]  # absent unless paused
+    assert value["classes"]["B"]["celery"]["rolled_back"] == {"at": 400, "reason": "slow"}
+    assert "rolled_back" not in value["classes"]["A"]["python"]
+    assert value["classes"]["B"]["celery"]["paused"] is True
+    assert "paused" not in value["classes"]["A"]["python"]  # absent unless paused
     assert [e["event"] for e in value["history"]] == [
         "rollback",
         "step",
@@ -263,7 +262,7 @@ def test_the_state_round_trips_through_json():
     assert value["history"][0] == {
         "at": 100,
         "class": "A",
-        "level": "native",
+        "level": "python",
         "event": "rollback",
         "weight": 0,
         "reason": "new side success 70.0 percent",  # no "%": `bin/config get` formats it
@@ -273,16 +272,16 @@ def test_the_state_round_trips_through_json():
 @pytest.mark.parametrize(
     "value",
     [
-        {"classes": {"A": {"native": {"step": "x"}}}},
+        {"classes": {"A": {"python": {"step": "x"}}}},
         {"history": [{"at": 1}]},
         [1],
         # A step is an integer from 0 (PHP's): never a string, a float, a bool, negative.
-        *({"classes": {"A": {"native": {"step": step}}}} for step in ("2", 1.0, True, -1, 2**63)),
+        *({"classes": {"A": {"python": {"step": step}}}} for step in ("2", 1.0, True, -1, 2**63)),
         {"classes": None},
         {"classes": {"A": None}},
         {"history": None},
         {"history": ""},
-        {"classes": {"A": {"native": {"rolled_back": False}}}},
+        {"classes": {"A": {"python": {"rolled_back": False}}}},
     ],
 )
 def test_a_state_the_bridge_did_not_write_is_refused(value):
@@ -291,9 +290,9 @@ def test_a_state_the_bridge_did_not_write_is_refused(value):
 
 
 def test_history_keeps_the_newest_fifty_events_per_class():
-    state = CanaryState().with_rollback("Other", BRIDGE, 1, "kept")
+    state = CanaryState().with_rollback("Other", CELERY, 1, "kept")
     for at in range(2, 2 + 2 * HISTORY_PER_CLASS):
-        state = state.with_step("C", NATIVE, at, at, 1.0)
+        state = state.with_step("C", PYTHON, at, at, 1.0)
     mine = [e for e in state.history if e.task_class == "C"]
     assert len(mine) == HISTORY_PER_CLASS
     assert [e.at for e in mine] == list(range(2 + HISTORY_PER_CLASS, 2 + 2 * HISTORY_PER_CLASS))
@@ -303,24 +302,24 @@ def test_history_keeps_the_newest_fifty_events_per_class():
 
 
 def test_a_canary_holds_its_weights_and_state():
-    canary = Canary(parse_weights({"C": {"native": 20}}), CanaryState())
-    assert canary.configured("C").native == 2000
-    assert canary.configured("D").native == SCALE
+    canary = Canary(parse_weights({"C": {"python": 20}}), CanaryState())
+    assert canary.configured("C").python == 2000
+    assert canary.configured("D").python == SCALE
 
 
 def test_a_closed_canary_runs_no_new_side_of_a_shared_class():
     weights = {
-        "Shared": {"bridge": 20},
-        "Native": {"native": 50},
-        "Ramped": {"ramp": {"level": "bridge", "steps": [5, 50]}},
+        "Shared": {"celery": 20},
+        "Native": {"python": 50},
+        "Ramped": {"ramp": {"level": "celery", "steps": [5, 50]}},
         "Moved": {},
-        "Kept": {"bridge": 0},
-        "*": {"bridge": 100},
+        "Kept": {"celery": 0},
+        "*": {"celery": 100},
     }
-    state = CanaryState().with_step("Ramped", BRIDGE, 10, 1, 50.0)
-    state = state.with_rollback("Gone", BRIDGE, 20, "worse")
+    state = CanaryState().with_step("Ramped", CELERY, 10, 1, 50.0)
+    state = state.with_rollback("Gone", CELERY, 20, "worse")
     canary = canary_of(weights, state.to_json())
-    assert (canary.weight("Ramped", BRIDGE), canary.weight("Native", BRIDGE)) == (5000, SCALE)
+    assert (canary.weight("Ramped", CELERY), canary.weight("Native", CELERY)) == (5000, SCALE)
     closed = canary.closed()
     expected = {
         "Shared": (0, SCALE),
@@ -331,7 +330,7 @@ def test_a_closed_canary_runs_no_new_side_of_a_shared_class():
         "Gone": (0, SCALE),  # its rollback stays in force
         "Unnamed": (SCALE, SCALE),
     }
-    assert {c: (closed.weight(c, BRIDGE), closed.weight(c, NATIVE)) for c in expected} == expected
+    assert {c: (closed.weight(c, CELERY), closed.weight(c, PYTHON)) for c in expected} == expected
     assert closed.partial() == [] and closed.state == canary.state
     # Closing a closed canary changes nothing; without a canary nothing is shared.
     assert closed.closed() == closed and NO_CANARY.closed() == NO_CANARY
@@ -341,7 +340,7 @@ def test_before_any_read_no_class_runs_on_either_new_side():
     assert CLOSED.active and not NO_CANARY.active
     assert not any(
         CLOSED.takes(level, task_class, task_id, None)
-        for level in (BRIDGE, NATIVE)
+        for level in (CELERY, PYTHON)
         for task_class in ("A", "PhabricatorSearchWorker")
         for task_id in IDS
     )

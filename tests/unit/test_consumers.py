@@ -113,7 +113,7 @@ def test_a_class_runs_elsewhere_where_another_worker_consumes_its_queue_and_serv
 
 
 def test_a_coverage_names_the_php_path_beside_a_native_handler():
-    """The old side of the native level: what would run a natively served class in PHP."""
+    """The old side of the python level: what would run a natively served class in PHP."""
     coverage = Coverage(native=("A", "B1"), runner=("B*",), exclude=("C*",))
     assert [coverage.transport_for(c) for c in ("A", "B1", "B2", "C1")] == [
         "native",
@@ -122,14 +122,14 @@ def test_a_coverage_names_the_php_path_beside_a_native_handler():
         None,
     ]
     assert [coverage.php_transport_for(c) for c in ("A", "B1", "C1")] == [None, "runner", None]
-    assert Coverage(native=("A",), proxy=True).php_transport_for("A") == "proxy"
+    assert Coverage(native=("A",), conduit=True).php_transport_for("A") == "conduit"
 
 
 def test_an_announcement_is_read_back_as_sent():
-    coverage = Coverage(native=("A",), runner=("B*",), proxy=True, exclude=("C",))
-    reply = {"queues": ["php"], "coverage": coverage.as_dict(), "down": ["proxy"]}
+    coverage = Coverage(native=("A",), runner=("B*",), conduit=True, exclude=("C",))
+    reply = {"queues": ["php"], "coverage": coverage.as_dict(), "down": ["conduit"]}
     assert Announcement.from_reply("w@h", reply) == Announcement(
-        "w@h", ("php",), coverage, ("proxy",)
+        "w@h", ("php",), coverage, ("conduit",)
     )
     with pytest.raises(ValueError):
         Announcement.from_reply("w@h", {"error": "No such command"})

@@ -13,9 +13,10 @@ import pytest
 
 from bridge.engine.reports import RunReport
 from bridge.handlers.availability import Availability
-from bridge.handlers.capabilities import RUNNER, TransportHandler
+from bridge.handlers.capabilities import TransportHandler
 from bridge.handlers.registry import Registry
 from bridge.queue import Outcome
+from bridge.queue.implementations import RUNNER
 from bridge.queue.model import Leased
 from bridge.runtime import standby
 

@@ -12,9 +12,9 @@
  *     ramp steps).
  *
  * A weight is the share of a class's tasks the NEW side of a level runs: at
- * the "bridge" level the bridge (the old side being phd, here the shipped
- * PhorgeBridgeQueueDaemon), at the "native" level a native handler inside
- * the bridge. Which task goes where is a hash of its id that PHP, Python and
+ * the "celery" level the bridge's Celery workers (the old side being phd, here
+ * the shipped PhorgeBridgeQueueDaemon), at the "python" level a native handler
+ * inside the bridge. Which task goes where is a hash of its id that PHP, Python and
  * SQL compute alike (bucket()), so the daemon and the bridge agree on every
  * row without talking to each other. This class mirrors the bridge's Python
  * (bridge/canary/weights.py): keep them in step.
@@ -46,8 +46,8 @@ final class PhorgeBridgeCanary {
   // The bridge's BRIDGE_OWNER_PREFIX: its beat lock's name holds it.
   const OWNER_PREFIX_OPTION = 'phorge-bridge.owner-prefix';
 
-  const LEVEL_BRIDGE = 'bridge';
-  const LEVEL_NATIVE = 'native';
+  const LEVEL_CELERY = 'celery';
+  const LEVEL_PYTHON = 'python';
 
   // The key of the weights of every class not named (0 or 100 only).
   const DEFAULT_CLASS = '*';
@@ -60,7 +60,7 @@ final class PhorgeBridgeCanary {
   const REFRESH_SECONDS = 1.0;
 
   /**
-   * Configured weights, per class: array('bridge' => bp, 'native' => bp,
+   * Configured weights, per class: array('celery' => bp, 'python' => bp,
    * 'ramp' => null or array('level' => ..., 'steps' => list of bp, 'dwell'
    * => seconds)).
    */
@@ -87,7 +87,7 @@ final class PhorgeBridgeCanary {
 
   /**
    * The task's place in 0..9999 at a level: crc32("level:id") % 10000, as the
-   * bridge's Python (zlib.crc32) and SQL (CRC32(CONCAT('bridge:', id))).
+   * bridge's Python (zlib.crc32) and SQL (CRC32(CONCAT('celery:', id))).
    */
   public static function bucket($level, $task_id) {
     $crc = crc32($level.':'.$task_id);
@@ -147,11 +147,11 @@ final class PhorgeBridgeCanary {
 
   /**
    * The SQL condition (on worker_activetask's columns, unqualified) true for
-   * the rows the OLD side of the bridge level runs: the rows phd (the shipped
+   * the rows the OLD side of the celery level runs: the rows phd (the shipped
    * daemon) may lease. Null when it runs none (nothing to lease at all).
    */
   public function newOldSideCondition(AphrontDatabaseConnection $conn) {
-    $level = self::LEVEL_BRIDGE;
+    $level = self::LEVEL_CELERY;
     // Classes not named have the "*" weights (no ramp, no state), or 100%.
     $default = self::SCALE;
     if (isset($this->weights[self::DEFAULT_CLASS])) {
@@ -229,16 +229,16 @@ final class PhorgeBridgeCanary {
   }
 
   /**
-   * Whether the weights leave phd any task at the bridge level: a class
+   * Whether the weights leave phd any task at the celery level: a class
    * named below 100 (or rolled back), or every class not named.
    */
   public function givesPhdAShare() {
     if (isset($this->weights[self::DEFAULT_CLASS]) &&
-        $this->weights[self::DEFAULT_CLASS][self::LEVEL_BRIDGE] < self::SCALE) {
+        $this->weights[self::DEFAULT_CLASS][self::LEVEL_CELERY] < self::SCALE) {
       return true;
     }
     foreach ($this->getNamedClasses() as $task_class) {
-      if ($this->getWeight($task_class, self::LEVEL_BRIDGE) < self::SCALE) {
+      if ($this->getWeight($task_class, self::LEVEL_CELERY) < self::SCALE) {
         return true;
       }
     }
@@ -282,8 +282,8 @@ final class PhorgeBridgeCanary {
 
   private static function newClassWeights() {
     return array(
-      self::LEVEL_BRIDGE => self::SCALE,
-      self::LEVEL_NATIVE => self::SCALE,
+      self::LEVEL_CELERY => self::SCALE,
+      self::LEVEL_PYTHON => self::SCALE,
       'ramp' => null,
     );
   }
@@ -346,7 +346,7 @@ final class PhorgeBridgeCanary {
     $closed->state = $this->state;
     foreach ($this->weights as $name => $ignored) {
       $entry = array('ramp' => null);
-      foreach (array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE) as $level) {
+      foreach (array(self::LEVEL_CELERY, self::LEVEL_PYTHON) as $level) {
         $weight = $this->getWeight((string)$name, $level);
         $shared = ($weight > 0 && $weight < self::SCALE);
         $entry[$level] = $shared ? 0 : $weight;
@@ -459,16 +459,16 @@ final class PhorgeBridgeCanary {
   // without one), but for a ramp's own level: naming a class at one level
   // moves it at no other.
   private static function parseClassWeights($name, $value, array $default) {
-    $known = array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE, 'ramp', 'guard');
+    $known = array(self::LEVEL_CELERY, self::LEVEL_PYTHON, 'ramp', 'guard');
     if (!self::isObject($value) || array_diff(array_keys($value), $known)) {
       throw self::newWeightsException(
         pht(
-          '%s: expected an object with bridge, native, ramp or guard, got %s',
+          '%s: expected an object with celery, python, ramp or guard, got %s',
           $name,
           self::describe($value)));
     }
 
-    $levels = array(self::LEVEL_BRIDGE, self::LEVEL_NATIVE);
+    $levels = array(self::LEVEL_CELERY, self::LEVEL_PYTHON);
     $given = array();
     foreach ($levels as $level) {
       if (array_key_exists($level, $value)) {
@@ -517,8 +517,8 @@ final class PhorgeBridgeCanary {
       $whole = array(0, self::SCALE);
       if ($ramp !== null ||
           array_key_exists('guard', $value) ||
-          !in_array($weights[self::LEVEL_BRIDGE], $whole, true) ||
-          !in_array($weights[self::LEVEL_NATIVE], $whole, true)) {
+          !in_array($weights[self::LEVEL_CELERY], $whole, true) ||
+          !in_array($weights[self::LEVEL_PYTHON], $whole, true)) {
         throw self::newWeightsException(
           pht(
             '%s: the default weights are 0 or 100, without a ramp or guard',
@@ -599,10 +599,10 @@ final class PhorgeBridgeCanary {
     }
 
     $level = idx($value, 'level');
-    if ($level !== self::LEVEL_BRIDGE && $level !== self::LEVEL_NATIVE) {
+    if ($level !== self::LEVEL_CELERY && $level !== self::LEVEL_PYTHON) {
       throw self::newWeightsException(
         pht(
-          '%s.level: expected bridge or native, got %s',
+          '%s.level: expected celery or python, got %s',
           $where,
           self::describe($level)));
     }

@@ -43,13 +43,13 @@ final class PhorgeBridgeCanaryConfigOptions
 
   public function getOptions() {
     $example = array(
-      '*' => array('bridge' => 0),
-      'PhabricatorSearchWorker' => array('bridge' => 100),
-      'ManiphestTransactionMailWorker' => array('bridge' => 5),
-      'FeedPublisherHTTPWorker' => array('bridge' => 100, 'native' => 50),
+      '*' => array('celery' => 0),
+      'PhabricatorSearchWorker' => array('celery' => 100),
+      'ManiphestTransactionMailWorker' => array('celery' => 5),
+      'FeedPublisherHTTPWorker' => array('celery' => 100, 'python' => 50),
       'PhabricatorRepositoryCommitParserWorker' => array(
         'ramp' => array(
-          'level' => 'bridge',
+          'level' => 'celery',
           'steps' => array(1, 5, 25, 50, 100),
           'dwell' => 600,
         ),
@@ -66,11 +66,11 @@ final class PhorgeBridgeCanaryConfigOptions
             "class. For each task class (or `*`, the default for classes not ".
             "named: 0 or 100 only), the percentage of its tasks the new side ".
             "runs, at one of two levels:\n\n".
-            "  - `bridge`: phorge-bridge against phd (run ".
+            "  - `celery`: phorge-bridge's Celery workers against phd (run ".
             "`PhorgeBridgeQueueDaemon` in place of Phorge's ".
             "taskmasters: it leaves the bridge's share alone);\n".
-            "  - `native`: inside the bridge, a native handler against the ".
-            "PHP worker.\n\n".
+            "  - `python`: inside the bridge, a native (Python) handler ".
+            "against the PHP worker.\n\n".
             "Only one level per class may be shared (between 0 and 100). A ".
             "`ramp` (`level`, rising `steps`, `dwell` seconds, default 600) ".
             "raises the weight step by step while the bridge's guard is ".

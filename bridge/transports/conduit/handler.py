@@ -25,7 +25,8 @@ from bridge.errors import (
 )
 from bridge.handlers.api import HandBack, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.availability import Availability
-from bridge.handlers.capabilities import CONDUIT, BatchHandler, run_each
+from bridge.handlers.capabilities import BatchHandler, run_each
+from bridge.queue.implementations import CONDUIT
 from bridge.queue.model import DEFAULT_LEASE_SECONDS, DEFAULT_RETRY_WAIT, MIN_YIELD_SECONDS
 from bridge.transports.conduit.client import ConduitClient
 from bridge.transports.conduit.request_slots import RequestSlots

@@ -30,7 +30,8 @@ from typing import Any
 from bridge.errors import RunnerBootError, RunnerDied, RunnerKilled, RunnerTimedOut
 from bridge.handlers.api import HandBack, PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.availability import Availability
-from bridge.handlers.capabilities import RUNNER, TransportHandler
+from bridge.handlers.capabilities import TransportHandler
+from bridge.queue.implementations import RUNNER
 from bridge.queue.model import DEFAULT_RETRY_WAIT
 from bridge.transports.php_runner.pool import RunnerPool
 from bridge.transports.php_runner.stamp import deploy_stamp
