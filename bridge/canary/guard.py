@@ -654,7 +654,7 @@ def yield_loops(
     return {key: (new, old) for key, (new, old) in looping.items()}
 
 
-def _with_yield_loops(window: Window, new: int, old: int) -> Window:
+def with_yield_loops(window: Window, new: int, old: int) -> Window:
     """``window`` with ``new`` and ``old`` rows in a yield loop as failed runs."""
     return replace(
         window,
@@ -709,7 +709,7 @@ def guard_once(
         loops = yield_loops(engine, canary, bounds_of, now)
         for (task_class, level, _, mine, limit), windows_of in zip(shared, windows, strict=True):
             looping = loops[task_class, level]
-            short, long = (_with_yield_loops(window, *looping) for window in windows_of)
+            short, long = (with_yield_loops(window, *looping) for window in windows_of)
             reason = verdict(short, mine) or verdict(long, mine)
             if suspicions.confirmed(task_class, level, reason, limit):
                 if _trip(store, task_class, level, now, str(reason)):

@@ -19,7 +19,14 @@ import click
 from sqlalchemy import Engine
 
 from bridge.canary import decisions, sql
-from bridge.canary.guard import SideStats, Window, read_windows, summed_window
+from bridge.canary.guard import (
+    SideStats,
+    Window,
+    read_windows,
+    summed_window,
+    with_yield_loops,
+    yield_loops,
+)
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import (
     DEFAULT,
@@ -441,6 +448,11 @@ def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
             ]
         )
     lines += ["  " + line for line in table(rows)]
+    if window.new.yield_loops or window.old.yield_loops:
+        lines.append(
+            f"in a yield loop now (counted as failed runs): {window.new.yield_loops} rows on the "
+            f"new side, {window.old.yield_loops} on the old"
+        )
     state = rollback_text(canary, name, level, now)
     weight = (
         f"weight: {pct(canary.weight(name, level))} on the new side "
@@ -468,6 +480,17 @@ def report_lines(canary: Canary, window: Window, now: int) -> list[str]:
     else:
         lines.append("history: none")
     return lines
+
+
+def looping(ctx: Context, canary: Canary, windows: list[Window], now: int) -> list[Window]:
+    """``windows`` with each side's rows in a yield loop now, as the guard counts them."""
+    default = ctx.settings.canary_max_yielding
+    bounds = [
+        (w.task_class, w.level, int(canary.configured(w.task_class).bound("max_yielding", default)))
+        for w in windows
+    ]
+    loops = yield_loops(ctx.engine, canary, bounds, now)
+    return [with_yield_loops(w, *loops[w.task_class, w.level]) for w in windows]
 
 
 SPAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -519,6 +542,7 @@ def report(
         if since
         else read_windows(ctx.engine, [(name, lv, seconds) for name, lv in asked], runs)
     )
+    windows = looping(ctx, current, windows, now)
     if as_json:
         shown = []
         for w in windows:

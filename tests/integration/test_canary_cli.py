@@ -16,10 +16,11 @@ import sqlalchemy as sa
 from services import url_of
 
 from bridge.canary.store import CanaryStore, decode_weights
-from bridge.canary.weights import OPTION, with_weight
+from bridge.canary.weights import OPTION, bucket, with_weight
 from bridge.cli import doctor as checks
 from bridge.queue import PhorgeQueue, make_engine
 from bridge.queue.implementations import CELERY, PYTHON
+from bridge.queue.schema import worker_activetask as active
 from bridge.queue.schema import worker_archivetask as archive
 
 FEED = "FeedPublisherHTTPWorker"
@@ -391,3 +392,49 @@ def test_pause_holds_a_ramp_and_resume_restarts_its_dwell(cli):
     assert invoke("canary", "pause", MAIL, code=1) == (
         f"Error: {MAIL} has no ramp at the celery level to pause\n"
     )
+
+
+def test_report_counts_each_sides_rows_in_a_yield_loop_as_the_guard_does(cli):
+    """Rows still yielding past ``max_yielding`` are failed runs of their side (by the
+    share's hash; one that fell back is the old side's); a younger yield is not."""
+    invoke, store = cli
+    engine = store.engine
+    archived(engine, FEED, "native", 8)
+    with engine.begin() as conn:
+        now = int(conn.execute(sa.select(sa.func.unix_timestamp())).scalar_one())
+        ids = itertools.count(10_000)
+        rows = []
+        for created, failure_time, count in ((now - 7200, None, 2), (now - 7200, now, 1)):
+            while count:
+                task_id = next(ids)
+                new = bucket(PYTHON, task_id) < 2000
+                if failure_time is None and not new:
+                    continue
+                rows.append(yielded(task_id, created, failure_time))
+                count -= 1
+        rows.append(yielded(next(ids), now - 60, None))  # young: Phorge's "not yet"
+        conn.execute(sa.insert(active), rows)
+    out = invoke("canary", "report", FEED, "--level", "python")
+    assert (
+        "in a yield loop now (counted as failed runs): 2 rows on the new side, 1 on the old" in out
+    )
+    shown = json.loads(invoke("canary", "report", FEED, "--level", "python", "--json"))
+    (entry,) = shown["classes"]
+    assert (entry["new"]["yield_loops"], entry["old"]["yield_loops"]) == (2, 1)
+    # 8 archived, 2 looping, and the row that fell back (a new-side failure when it did)
+    assert (entry["new"]["runs"], entry["new"]["successes"]) == (8 + 2 + 1, 8)
+
+
+def yielded(task_id: int, created: int, failure_time: int | None) -> dict[str, Any]:
+    return {
+        "id": task_id,
+        "taskClass": FEED,
+        "leaseOwner": "(yield)",
+        "leaseExpires": created + 7200 + 30,
+        "failureCount": 0,
+        "dataID": 1,
+        "failureTime": failure_time,
+        "priority": 3000,
+        "dateCreated": created,
+        "dateModified": created,
+    }
