@@ -37,6 +37,7 @@ from sqlalchemy import Connection, Engine
 
 from bridge.canary import decisions, sql
 from bridge.canary.ledger import Counts, Ledger, Minutes, add_counts
+from bridge.canary.short_window import MICROSECONDS, PAGE_ROWS
 from bridge.canary.significance import excess_failures_p, rate_change_p
 from bridge.canary.sql import MINUTE
 from bridge.canary.store import CanaryStore
@@ -50,8 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MICROSECONDS = 1_000_000  # the archive's ``duration`` unit
-PAGE_ROWS = 1000  # archive rows read at a time, newest first, until the window is cut
 OLD_RUNS_PER_NEW = 4  # the old side's runs, per new-side run of max_runs, that cut it
 # The long window is cut where the new side has this many times the short window's
 # runs: 3% failing against 1% can take more than 2,000 new-side runs to prove (2,374 on
@@ -257,6 +256,32 @@ def _read_archive(conn: Connection, readings: list[_Reading]) -> None:
         before = (rows[-1].dateModified, rows[-1].id)
 
 
+def short_windows(
+    engine: Engine, ledger: Ledger, asked: Sequence[tuple[str, str, int]], max_runs: int
+) -> list[Window]:
+    """:func:`read_windows`' windows, from the rows ``ledger`` keeps of them (each
+    ``(task_class, level)`` once): the guard's, which each second reads only the rows
+    archived after its last mark, a few seconds behind its clock (``short_window``)."""
+    if not asked:
+        return []
+    with engine.connect() as conn:
+        now = int(conn.execute(sql.server_time()).scalar_one())
+        caps = (max_runs, OLD_RUNS_PER_NEW * max_runs)
+        readings = []
+        for (task_class, level, _), found in zip(
+            asked, ledger.short_windows(conn, asked, now, caps, _row_runs), strict=True
+        ):
+            reading = _Reading(task_class, level, found.start, _Tally(caps[0]), _Tally(caps[1]))
+            for (label, result), (rows, failures) in found.counts.items():
+                durations = found.durations.get((label, result), ())
+                _count_summed(
+                    reading.new, reading.old, level, label, result, rows, failures, durations
+                )
+            readings.append(reading)
+        _failing(conn, readings)
+    return [reading.window(now) for reading in readings]
+
+
 def summed_window(engine: Engine, task_class: str, level: str, seconds: int) -> Window:
     """The runs of :func:`read_window`, over the whole of the last ``seconds`` (no cut)
     and summed by the server (a day of runs is one grouped statement), without the
@@ -331,35 +356,52 @@ def _new_side_runs(level: str, counts: Counts) -> int:
     """The new side's runs in ``counts``."""
     runs = 0
     for (label, result), (rows, failures) in counts.items():
-        per_row, per_failure = _new_side_runs_per(level, label, result)
+        (per_row, _), (per_failure, _) = _runs_per(level, label, result)
         runs += per_row * rows + per_failure * failures
     return runs
 
 
+def _row_runs(level: str, label: str | None, result: int, failures: int) -> tuple[int, int]:
+    """The runs one archive row with ``failures`` earlier failures counts on the new
+    side and on the old side (the short window's cut, ``short_window.Weigh``)."""
+    (new, old), (new_each, old_each) = _runs_per(level, label, result)
+    return new + failures * new_each, old + failures * old_each
+
+
 @functools.lru_cache(maxsize=1024)
-def _new_side_runs_per(level: str, label: str | None, result: int) -> tuple[int, int]:
-    """The new side's runs that one archive row of ``label`` and ``result`` adds, and
-    each of its earlier failures: the long window's cut needs only the new side's runs,
-    and a day of minutes repeats a few labels and results."""
+def _runs_per(
+    level: str, label: str | None, result: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The new side's and the old side's runs that one archive row of ``label`` and
+    ``result`` adds, and each of its earlier failures: the windows' cuts need only the
+    sides' runs, and a window's rows repeat a few labels and results."""
     counted = []
     for rows, failures in ((1, 0), (0, 1)):
-        new = _Tally(0)
-        _count_summed(new, _Tally(0), level, label, result, rows, failures)
-        counted.append(new.runs)
+        new, old = _Tally(0), _Tally(0)
+        _count_summed(new, old, level, label, result, rows, failures)
+        counted.append((new.runs, old.runs))
     return counted[0], counted[1]
 
 
 def _count_summed(
-    new: _Tally, old: _Tally, level: str, label: str | None, result: int, rows: int, failures: int
+    new: _Tally,
+    old: _Tally,
+    level: str,
+    label: str | None,
+    result: int,
+    rows: int,
+    failures: int,
+    durations: Sequence[float] = (),
 ) -> None:
     """Summed archive rows of one label and result onto their side (a fallback onto
-    both)."""
+    both), with their successes' ``durations`` (seconds) if known."""
     who, followups = label_parts(label)
     side, shown = side_of(level, who), who or PHD
     if side == FELL_BACK:
         new.fell_back(rows)
     tally = new if side == NEW else old
     tally.archived_rows(rows, failures, result, shown, followups)
+    tally.durations.extend(durations)
 
 
 def _failing(conn: Connection, readings: list[_Reading]) -> None:
@@ -601,7 +643,7 @@ def judged_windows(
     """The two windows the guard judges for each ``(task_class, level, since,
     min_runs)`` of ``judged``, both from ``since`` if the class is judged afresh from a
     promotion or a new version (``CanaryState.judged_since``): the short one
-    (``BRIDGE_CANARY_WINDOW``, read row by row, with durations, every class's at once),
+    (``BRIDGE_CANARY_WINDOW``, counted row by row, with durations, kept in the ledger),
     quick to show a large difference, and the long one (``BRIDGE_CANARY_HISTORY``, from
     the ledger), which a small one at low traffic needs. The short window's old side is
     the history's when it holds fewer than ``min_runs`` runs (the old side's history is
@@ -613,7 +655,7 @@ def judged_windows(
         short_asked.append((task_class, level, span))
         long_asked.append((task_class, level, history if since is None else max(history, since)))
     runs = LONG_RUNS_PER_SHORT * settings.canary_window_runs
-    shorts = read_windows(engine, short_asked, settings.canary_window_runs)
+    shorts = short_windows(engine, ledger, short_asked, settings.canary_window_runs)
     longs = long_windows(engine, ledger, long_asked, now, runs)
     windows = []
     for (task_class, level, since, min_runs), short, long in zip(

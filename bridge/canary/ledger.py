@@ -13,6 +13,9 @@ then forgets the minutes that left the span.
 A row is added once it is ``SETTLE`` s old: its ``dateModified`` is its writer's clock
 (PHP's ``time()`` on a phd host) and its transaction may commit after that second, so a
 younger row could still appear behind the ledger's mark.
+
+The ledger keeps the short window's rows too (``short_window``), on the same mark, so
+that the process that judges keeps all it reads of the archive in one object.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Connection
 
 from bridge.canary import sql
+from bridge.canary.short_window import Found, ShortWindows, Weigh
 from bridge.canary.sql import MINUTE
 
 SETTLE = 5
@@ -77,10 +81,24 @@ class Minutes:
 
 @dataclass
 class Ledger:
-    """The summed runs of each class the guard judged, over the last ``span`` s."""
+    """The summed runs of each class the guard judged, over the last ``span`` s, and the
+    rows of its short windows."""
 
     span: int
     _kept: dict[str, Minutes] = field(default_factory=dict)
+    _short: ShortWindows = field(default_factory=ShortWindows)
+
+    def short_windows(
+        self,
+        conn: Connection,
+        asked: Sequence[tuple[str, str, int]],
+        now: int,
+        caps: tuple[int, int],
+        weigh: Weigh,
+    ) -> list[Found]:
+        """:meth:`ShortWindows.windows` of ``asked`` at ``now`` (the database's clock),
+        the rows up to ``now`` less ``SETTLE`` kept."""
+        return self._short.windows(conn, asked, now, now - SETTLE, caps, weigh)
 
     def minutes(
         self, conn: Connection, task_classes: Sequence[str], now: int

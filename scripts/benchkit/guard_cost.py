@@ -3,9 +3,11 @@
 durable MariaDB with Phorge's schema unchanged.
 
 Timed, each as its user meets it: the guard's first evaluation in a process (the
-ledger sums the shared classes' day once), its later evaluations while the classes
-keep archiving (100 rows a second), a scrape of the canary gauges, and ``canary report
---since 24h``. Wall time and this process's CPU time, median of the repeats.
+ledger sums the shared classes' day once and reads their short windows' rows), its
+later evaluations while the classes keep archiving (100 rows a second; the ledger reads
+only the rows since, ``canary.short_window``), a scrape of the canary gauges (each
+window read afresh), and ``canary report --since 24h``. Wall time and this process's
+CPU time, median of the repeats.
 """
 
 from __future__ import annotations

@@ -530,7 +530,7 @@ def test_no_shared_class_is_one_read(db, monkeypatch):
     engine, settings = db
     store = CanaryStore(engine, None)
     store.set_weights({"C": {"python": 100}, "*": {"celery": 0}})
-    monkeypatch.setattr(guard, "read_windows", lambda *a: pytest.fail("read the archive"))
+    monkeypatch.setattr(guard, "short_windows", lambda *a: pytest.fail("read the archive"))
     monkeypatch.setattr(guard, "guard_lock", lambda *a: pytest.fail("took the lock"))
     assert guard_once(store, engine, settings, Suspicions(1)) == []
     assert guard_once(CanaryStore(engine, None), engine, settings, Suspicions(1)) == []
