@@ -1,5 +1,6 @@
 """A process's runtime: settings, one queue (one connection pool), registry, lease keeper,
-run locks, and the gray migration's weights as this process sees them.
+run locks, its transports' outages, and the gray migration's weights as this process
+sees them.
 
 ``bridge.assembly`` builds one lazily and once per process id, so prefork children never
 share the parent's database connections.
@@ -14,6 +15,7 @@ from bridge.canary.store import CanaryStore, CanaryView
 from bridge.canary.weights import NO_CANARY, Canary
 from bridge.config import Settings
 from bridge.engine.lease_keeper import LeaseKeeper
+from bridge.engine.outages import Outages
 from bridge.engine.writes import WriteGate
 from bridge.handlers.registry import Registry
 from bridge.queue import PhorgeQueue
@@ -46,11 +48,13 @@ class Runtime:
     keeper: LeaseKeeper = field(init=False)
     runs: RunLocks = field(init=False)
     writes: WriteGate = field(init=False)
+    outages: Outages = field(init=False)
 
     def __post_init__(self) -> None:
         self.keeper = LeaseKeeper(self.queue)
         self.runs = RunLocks(self.queue.engine, self.settings.report_attempts)
         self.writes = WriteGate(self.queue.probe_writes)
+        self.outages = Outages(self.registry, self.settings.router)
 
 
 def open_runtime(settings: Settings, registry: Registry) -> Runtime:

@@ -24,7 +24,6 @@ from typing import Protocol
 from bridge.canary.weights import SCALE, Canary
 from bridge.engine.context import Runtime
 from bridge.engine.pace import SPREAD, WINDOW, Pace, in_flight_target
-from bridge.engine.standby import standby_seconds
 from bridge.errors import WritesRefused
 from bridge.handlers.api import Handler
 from bridge.handlers.capabilities import is_available
@@ -83,30 +82,27 @@ def plan(rt: Runtime, elsewhere: RunsElsewhere | None = None) -> dict[str, list[
       its queue runs it;
     - its transport is down here (the PHP runner cannot boot, Conduit is unavailable),
       this worker can run nothing of its queue (it stands by on it,
-      ``bridge.engine.standby``), and another worker runs it. A worker that still serves
-      some of the queue goes by its own transports, so a fleet whose Conduit is down
-      everywhere does not lease, in the seconds before their announcements say so, what
-      every worker would hand back.
+      ``Outages.standby_queues``, computed once a poll after every handler was asked),
+      and another worker runs it. A worker that still serves some of the queue goes by
+      its own transports, so a fleet whose Conduit is down everywhere does not lease, in
+      the seconds before their announcements say so, what every worker would hand back.
     """
-    by_queue: dict[str, list[str]] = defaultdict(list)
-    available: dict[int, bool] = {}
-    router = rt.settings.router
+    router, registry = rt.settings.router, rt.registry
     present = rt.queue.task_classes()
-    for task_class in present:
+    served: dict[str, Handler | None] = {c: registry.handler_for(c) for c in present}
+    available: dict[int, bool] = {}
+    for handler in served.values():
+        if handler is not None and id(handler) not in available:
+            available[id(handler)] = is_available(handler)
+    standby: dict[str, float] = {}
+    if elsewhere is not None and not all(available.values()):
+        standby = rt.outages.standby_queues(present)
+    by_queue: dict[str, list[str]] = defaultdict(list)
+    for task_class, handler in served.items():
         queue = router.queue_for(task_class)
-        handler: Handler | None = rt.registry.handler_for(task_class)
-        if handler is None:
-            leased = elsewhere is not None and elsewhere(task_class, queue)
-        else:
-            key = id(handler)
-            if key not in available:
-                available[key] = is_available(handler)
-            leased = available[key] or (
-                elsewhere is not None
-                and standby_seconds(rt, queue, present) is not None
-                and elsewhere(task_class, queue)
-            )
-        if leased:
+        here = handler is not None and available[id(handler)]
+        others = handler is None or queue in standby
+        if here or (others and elsewhere is not None and elsewhere(task_class, queue)):
             by_queue[queue].append(task_class)
     return by_queue
 

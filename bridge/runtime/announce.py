@@ -12,7 +12,6 @@ the same round as the consumers it already asked for, at most every 15 s.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,24 +26,11 @@ log = logging.getLogger(__name__)
 
 COMMAND = "bridge_serves"
 
-# Main process: transports its task processes found down, and until when (monotonic).
-_down: dict[str, float] = {}
-
-
-def note_down(transport: str, seconds: float) -> None:
-    """A task process of this worker found ``transport`` down, until its next probe."""
-    _down[transport] = max(_down.get(transport, 0.0), time.monotonic() + seconds)
-
-
-def down_transports() -> list[str]:
-    now = time.monotonic()
-    return sorted(transport for transport, until in _down.items() if until > now)
-
 
 @dataclass(frozen=True)
 class Announcement:
     """One live worker: the task queues it consumes now (not those it stands by on),
-    what it serves, its transports that are down (``runner``, ``proxy``), and the version
+    what it serves, its transports that are down (``runner``, ``conduit``), and the version
     of what serves each class (``Registry.versions``; none from a worker of a release
     before versions were announced)."""
 
@@ -86,12 +72,12 @@ def consumed_queues(consumer: Any) -> list[str]:
 @inspect_command()
 def bridge_serves(state: Any, **_: Any) -> dict[str, Any]:
     """This worker's announcement, answered by its main process."""
-    registry = runtime().registry
+    rt = runtime()
     return {
         "queues": consumed_queues(state.consumer),
-        "coverage": registry.coverage().as_dict(),
-        "down": down_transports(),
-        "versions": registry.versions(),
+        "coverage": rt.registry.coverage().as_dict(),
+        "down": rt.outages.announced_down(),
+        "versions": rt.registry.versions(),
     }
 
 

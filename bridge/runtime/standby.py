@@ -6,18 +6,18 @@ tells its own worker, through Celery's remote control (the ``bridge_standby`` co
 addressed to its node alone), which transport is down and until when: the worker's
 announcement then says so (``bridge.runtime.announce``), so the fleet's polls stop
 leasing for it. When the process can run none of the classes queued for that Celery
-queue (:func:`bridge.engine.standby.standby_seconds`), the worker also cancels its
-consumer of the queue until the transport is due to probe again, then consumes it again
-by itself; the next message it takes probes the transport, and either runs or starts
-another standby. Other workers, meanwhile, take every message. Brokers without remote
-control (kombu's SQLAlchemy transport, the embedded default) only hand back.
+queue, the worker also cancels its consumer of the queue until the transport is due to
+probe again, then consumes it again by itself; the next message it takes probes the
+transport, and either runs or starts another standby. Other workers, meanwhile, take
+every message. Brokers without remote control (kombu's SQLAlchemy transport, the
+embedded default) only hand back. What each process knows of it is its runtime's
+:class:`~bridge.engine.outages.Outages`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
+from dataclasses import asdict
 from typing import Any
 
 from celery import Celery, current_task
@@ -25,24 +25,20 @@ from celery.worker.control import control_command
 
 from bridge.assembly import runtime
 from bridge.engine.observers import RunObserver, observe
+from bridge.engine.outages import Resume
 from bridge.engine.reports import RunReport
-from bridge.engine.standby import MIN_STANDBY, standby_seconds
-from bridge.handlers.capabilities import availability_of
 from bridge.queue import Outcome
 from bridge.queue.model import Leased
-from bridge.runtime.announce import note_down, remote_control
+from bridge.runtime.announce import remote_control
 
 log = logging.getLogger(__name__)
 
 COMMAND = "bridge_standby"
 
-# Main process: the queues on standby and the timer entries that resume them.
-_resumes: dict[str, Any] = {}
-
 
 def standing_by() -> list[str]:
     """Queues this worker stopped consuming on purpose (liveness counts them consumed)."""
-    return list(_resumes)
+    return list(runtime().outages.standing_by)
 
 
 @control_command(
@@ -54,17 +50,18 @@ def bridge_standby(
 ) -> dict[str, str]:
     """``transport`` is down here for ``seconds``; with ``stop``, stop consuming ``queue``
     that long (a later request extends it)."""
-    note_down(transport, float(seconds))
+    outages = runtime().outages
+    outages.heard(transport, float(seconds))
     if stop:
         consumer = state.consumer
-        consumer.call_soon(_stand_by, consumer, queue, float(seconds))
+        consumer.call_soon(_stand_by, consumer, outages.standing_by, queue, float(seconds))
     return {
         "ok": f"{transport} down for {seconds:g} s" + (f", standing by on {queue}" if stop else "")
     }
 
 
-def _stand_by(consumer: Any, queue: str, seconds: float) -> None:
-    entry = _resumes.pop(queue, None)
+def _stand_by(consumer: Any, standing: dict[str, Resume], queue: str, seconds: float) -> None:
+    entry = standing.pop(queue, None)
     if entry is not None:
         entry.cancel()
     elif consumer.task_consumer is not None and consumer.task_consumer.consuming_from(queue):
@@ -76,11 +73,11 @@ def _stand_by(consumer: Any, queue: str, seconds: float) -> None:
         consumer.cancel_task_queue(queue)
     else:
         return  # not consumed here (an operator cancelled it): nothing to resume later
-    _resumes[queue] = consumer.timer.call_after(seconds, lambda: _resume(consumer, queue))
+    standing[queue] = consumer.timer.call_after(seconds, lambda: _resume(consumer, standing, queue))
 
 
-def _resume(consumer: Any, queue: str) -> None:
-    _resumes.pop(queue, None)
+def _resume(consumer: Any, standing: dict[str, Resume], queue: str) -> None:
+    standing.pop(queue, None)
     queues = consumer.app.amqp.queues
     if queue in queues:
         queues.select_add(queues[queue])  # so a reconnection consumes it too
@@ -92,8 +89,6 @@ class Standby(RunObserver):
 
     def __init__(self, app: Celery) -> None:
         self.app = app
-        self._until: dict[tuple[str, str], float] = {}  # (transport, queue) -> report's end
-        self._lock = threading.Lock()
         self._remote: bool | None = None
 
     def run_ended(self, item: Leased, report: RunReport) -> None:
@@ -105,23 +100,13 @@ class Standby(RunObserver):
         if not node or not self.remote_control():
             return
         rt = runtime()
-        transport = rt.registry.coverage().transport_for(item.task_class)
-        handler = rt.registry.handler_for(item.task_class)
-        availability = availability_of(handler) if handler is not None else None
-        if transport is None or availability is None or not availability.is_down:
-            return  # not a transport's (a canary's: phd's share, a new side's failure)
-        queue = rt.settings.router.queue_for(item.task_class)
-        with self._lock:
-            if time.monotonic() < self._until.get((transport, queue), 0.0):
-                return
-            stop = standby_seconds(rt, queue)
-            seconds = stop or max(MIN_STANDBY, availability.next_probe_in())
-            self._until[transport, queue] = time.monotonic() + seconds
-        arguments = {"queue": queue, "seconds": seconds, "transport": transport, "stop": bool(stop)}
+        told = rt.outages.report(item.task_class, rt.queue.task_classes)
+        if told is None:
+            return
         try:
-            self.app.control.broadcast(COMMAND, arguments=arguments, destination=[node])
+            self.app.control.broadcast(COMMAND, arguments=asdict(told), destination=[node])
         except Exception as exc:  # the broker's trouble: the hand-back itself is done
-            log.warning("could not tell %s that %s is down: %s", node, transport, exc)
+            log.warning("could not tell %s that %s is down: %s", node, told.transport, exc)
 
     def remote_control(self) -> bool:
         if self._remote is None:

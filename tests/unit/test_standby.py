@@ -9,8 +9,8 @@ import pytest
 from bridge.assembly import build_runtime
 from bridge.config import load_settings
 from bridge.engine.context import Runtime
+from bridge.engine.outages import MIN_STANDBY
 from bridge.engine.poll import plan
-from bridge.engine.standby import MIN_STANDBY, standby_seconds
 from bridge.handlers.api import TaskContext
 from bridge.handlers.availability import Availability
 from bridge.handlers.capabilities import TransportHandler, availability_of
@@ -65,6 +65,11 @@ def transport(rt: Runtime) -> Availability:
     return availability
 
 
+def standby_seconds(rt: Runtime, queue: str) -> float | None:
+    """How long the worker stands by on ``queue``, as its runtime's outages say."""
+    return rt.outages.standby_queues(rt.queue.task_classes()).get(queue)
+
+
 def test_a_queue_whose_classes_all_go_through_a_down_transport_is_stood_by(rt: Runtime) -> None:
     rt.queue.enqueue(PHP_ONLY, {})
     rt.queue.enqueue(NATIVE, {})  # routed to another queue: no reason to consume "php"
@@ -98,3 +103,26 @@ def test_a_poll_leases_for_other_workers_only_where_this_one_stands_by(
     mixed.queue.enqueue(NATIVE, {})
     transport(mixed).failure("PHP is missing")
     assert plan(mixed, lambda task_class, queue: True) == {"php": [NATIVE]}
+
+
+def test_a_poll_asks_once_which_queues_this_worker_stands_by_on(
+    rt: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for task_class in (PHP_ONLY, "PhabricatorRepositoryWorker", "PhabricatorMailWorker"):
+        rt.queue.enqueue(task_class, {})
+    transport(rt).failure("PHP is missing")
+    asked = []
+    standby_queues = rt.outages.standby_queues
+    monkeypatch.setattr(
+        rt.outages, "standby_queues", lambda p: asked.append(p) or standby_queues(p)
+    )
+    assert len(plan(rt, lambda task_class, queue: True)["php"]) == 3
+    assert len(asked) == 1, "once a poll, not once a class"
+
+
+def test_a_worker_announces_a_transport_down_until_its_latest_report_ends(rt: Runtime) -> None:
+    outages = rt.outages
+    outages.heard("runner", 60)
+    outages.heard("runner", 0)  # a shorter report does not shorten the announcement
+    outages.heard("conduit", 0)
+    assert outages.announced_down() == ["runner"]

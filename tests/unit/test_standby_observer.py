@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from bridge.engine.outages import Outages
 from bridge.engine.reports import RunReport
 from bridge.handlers.availability import Availability
 from bridge.handlers.capabilities import TransportHandler
@@ -18,6 +19,7 @@ from bridge.handlers.registry import Registry
 from bridge.queue import Outcome
 from bridge.queue.implementations import RUNNER
 from bridge.queue.model import Leased
+from bridge.routing import Router
 from bridge.runtime import standby
 
 CLASS = "PhabricatorSearchWorker"
@@ -37,10 +39,12 @@ def worker(monkeypatch: pytest.MonkeyPatch) -> tuple[standby.Standby, list[dict[
     runner.availability = Availability(lambda: "PHP cannot boot")
     runner.availability.failure("PHP cannot boot")
     registry = Registry([], runner=runner, runner_classes=("Phabricator*",))
-    settings = SimpleNamespace(router=SimpleNamespace(queue_for=lambda _c: "php"))
-    rt = SimpleNamespace(registry=registry, settings=settings)
+    router = Router((), "php")
+    # The active table read as empty: no standby, the report alone (its "stop" False).
+    rt = SimpleNamespace(
+        outages=Outages(registry, router), queue=SimpleNamespace(task_classes=list)
+    )
     monkeypatch.setattr(standby, "runtime", lambda: rt)
-    monkeypatch.setattr(standby, "standby_seconds", lambda _rt, _queue: None)
     monkeypatch.setattr(
         standby, "current_task", SimpleNamespace(request=SimpleNamespace(hostname="w@h"))
     )
