@@ -3,7 +3,7 @@
 Phorge's tables keep no history and no failure reason; the bridge's log lines do. Every
 line written about a task ends with its tag (``bridge.engine.tracing.TaskTrace.tag``:
 ``[task=ID class=CLASS owner=OWNER traceparent=...]``), and each run's last line is its
-outcome (``bridge.engine.run.RunReport.describe``: ``Class#ID [IMPLEMENTATION]: OUTCOME[:
+outcome (``bridge.engine.reports.RunReport.describe``: ``Class#ID [IMPLEMENTATION]: OUTCOME[:
 reason][ (due again in N s)]``, without the implementation when no handler was chosen).
 The tag is matched whole, so task 12 never picks up task 120's lines. Celery's own line
 about the run quotes the outcome (``raised expected: TaskFailed('Class#ID ...')``): the

@@ -1,5 +1,9 @@
 """Leased tasks of one owner, run in order, each outcome written fenced by its lease.
 
+A message's tasks go through one pipeline, a group at a time (:meth:`Batch.run`): their
+run locks held, cut into handler calls, checked, run (``bridge.engine.run``: one
+group's run), their outcomes staged, written and reported.
+
 A task costs two round trips, the check (one read) and its outcome (one transaction);
 in a batch, an outcome travels with the next task's check, so a batch costs one round
 trip a task, and nothing runs before the outcome of the task before it is durable. A
@@ -10,18 +14,19 @@ checked one after another before the call and their outcomes written in one roun
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
-from bridge.engine.reports import ClearedTask, Ended, PendingOutcome, RunReport
-from bridge.engine.run import prepare, retry_wait, run_cleared
+from bridge.engine.reports import CheckedTask, Ended, PendingOutcome, RunReport
+from bridge.engine.run import run_group
 from bridge.engine.sides import choose
 from bridge.engine.tracing import TaskTrace, traced
 from bridge.errors import DatabaseUnavailable, WritesRefused
-from bridge.handlers.api import Handler
+from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.capabilities import batch_limit, runs_together
 from bridge.queue import Lease, Outcome, Task
 from bridge.queue.model import Leased
@@ -40,18 +45,34 @@ log = logging.getLogger(__name__)
 RUNNING_ELSEWHERE = "a live run elsewhere holds this lease; not run again here"
 
 
+def backoff(rt: Runtime, failure_count: int) -> int:
+    """Exponential wait with jitter for native handlers of classes Phorge does not have."""
+    settings = rt.settings
+    wait = min(settings.retry_max, settings.retry_base * 2 ** min(failure_count, 30))
+    return int(wait * (1 + random.uniform(0, settings.retry_jitter)))
+
+
+def retry_wait(rt: Runtime, ctx: TaskContext, declared: int | None) -> int:
+    """The wait after a temporary failure: the one declared, else the backoff."""
+    return declared if declared is not None else backoff(rt, ctx.failure_count)
+
+
 @dataclass(frozen=True)
 class StagedOutcome:
     """A pending outcome with its guarded write (None: a success with follow-ups, which is
-    written on its own with their ids), waiting for its round trip."""
+    written on its own with their ids), waiting for its round trip; ``handler``: the one
+    whose outcomes it may share a commit with (:meth:`Batch.defers`)."""
 
     item: Leased
     pending: PendingOutcome
     write: Write | None
     wait: int | None
+    handler: Handler | None = None
 
     @classmethod
-    def of(cls, rt: Runtime, item: Leased, pending: PendingOutcome) -> StagedOutcome:
+    def of(
+        cls, rt: Runtime, item: Leased, pending: PendingOutcome, handler: Handler | None
+    ) -> StagedOutcome:
         lease, result = pending.lease, pending.result
         wait = None
         match result.outcome:
@@ -74,7 +95,7 @@ class StagedOutcome:
                 assert pending.ctx is not None
                 wait = retry_wait(rt, pending.ctx, result.delay)
                 write = temporary_failure(lease, wait, pending.archived_as)
-        return cls(item, pending, write, wait)
+        return cls(item, pending, write, wait, handler)
 
     def write_alone(self, rt: Runtime) -> bool:
         session, lease, result = rt.queue.session, self.pending.lease, self.pending.result
@@ -124,153 +145,160 @@ class Batch:
         self.staged: list[StagedOutcome] = []  # outcomes waiting for their round trip
         self.reports: list[tuple[Leased, RunReport, str]] = []  # and each one's line
         self.canary = rt.canary.current()  # the weights in force, read once a message
-        self.chosen: dict[int, Handler] = {}  # the handler each checked task got
 
     def run(self, items: Sequence[Leased], budget: float | None = None) -> list[Leased]:
-        """Run ``items``; once ``budget`` seconds have passed, or once the database refuses
-        writes, the rest is returned unrun (still leased, for the caller to send on).
+        """Run ``items``, a handler call's group at a time: held, cut, checked, run and
+        staged, each step handing its result to the next; once ``budget`` seconds have
+        passed, or once the database refuses writes, the rest is returned unrun (still
+        leased, for the caller to send on)."""
+        held = self.hold(items)
+        started, done = time.monotonic(), 0
+        try:
+            while done < len(held) and not self.stops(done, time.monotonic() - started, budget):
+                handler, group = self.group(held, done)
+                try:
+                    tasks = self.check(group, handler)
+                    for task, ended in run_group(self.rt, tasks, self.traceparent, self.canary):
+                        self.stage(task, ended, handler)
+                except (WritesRefused, DatabaseUnavailable) as exc:
+                    return self.abandon(held, done, exc)
+                done += len(group)
+            self.flush()
+            return list(held[done:])
+        finally:
+            self.rt.runs.release([self.lease(item) for item in held])
 
-        Their run locks (``run_locks``) are held meanwhile, so a copy of the message the
-        broker redelivers finds them running; a task whose lock a live run elsewhere
-        holds is not run again here."""
-        leases = [Lease(item.id, self.owner, item.failure_count) for item in items]
+    def hold(self, items: Sequence[Leased]) -> Sequence[Leased]:
+        """The tasks whose run locks (``run_locks``) this process now holds, for the
+        batch's length, so that a copy of the message the broker redelivers finds them
+        running; a task whose lock a live run elsewhere holds is not run again here, and
+        none runs while the database is unavailable (their leases will expire)."""
+        leases = [self.lease(item) for item in items]
         try:
             held = self.rt.runs.hold(leases)
         except DatabaseUnavailable as exc:
             self.unreported(items, f"database unavailable ({exc}); the lease will expire")
             return []
-        mine = [item for item, ok in zip(items, held, strict=True) if ok]
         for item in (item for item, ok in zip(items, held, strict=True) if not ok):
             with traced(self.trace(item)):
                 self.report(item, RunReport(Outcome.LEASE_LOST, RUNNING_ELSEWHERE))
-        try:
-            return self.run_held(mine, budget)
-        finally:
-            self.rt.runs.release([lease for lease, ok in zip(leases, held, strict=True) if ok])
+        return [item for item, ok in zip(items, held, strict=True) if ok]
 
-    def run_held(self, items: Sequence[Leased], budget: float | None) -> list[Leased]:
-        started = time.monotonic()
+    def stops(self, done: int, elapsed: float, budget: float | None) -> bool:
+        """Whether the tasks from ``done`` on go back unrun: the ``budget`` is spent, or
+        the database refuses writes. No task starts while writes are refused: a message's
+        first task waits for writes instead (its lease cannot outlast the dispatch lease,
+        so neither does the wait)."""
+        if done and budget is not None and elapsed >= budget:
+            return True
         gate = self.rt.writes
-        index = 0
-        while index < len(items):
-            if index and budget is not None and time.monotonic() - started >= budget:
-                self.flush()
-                return list(items[index:])
-            if not gate.is_open:
-                # No task starts while writes are refused: a batch gives back what it has
-                # not started, and a message's first task waits for writes (its lease
-                # cannot outlast the dispatch lease, so neither does the wait).
-                self.flush()
-                if index:
-                    return list(items[index:])
-                gate.wait_open(self.rt.settings.dispatch_lease)
-            group = self.group(items, index)
-            try:
-                self.run_group(group)
-            except WritesRefused as exc:
-                gate.refused(exc)
-                if index:
-                    self.flush()  # outcomes that waited for this task's are held
-                    return list(items[index:])
-                self.unreported(items, f"not started: {exc}; the lease will expire")
-                return []
-            except DatabaseUnavailable as exc:
-                staged, self.staged = self.staged, []
-                self.report_writes(staged, [exc] * len(staged))
-                self.unreported(
-                    items[index:], f"database unavailable ({exc}); the lease will expire"
-                )
-                return []
-            index += len(group)
-        self.flush()
-        return []
+        if not gate.is_open:
+            if done:
+                return True
+            gate.wait_open(self.rt.settings.dispatch_lease)
+        return False
 
-    def handler_of(self, item: Leased) -> Handler | None:
-        """The handler ``item`` got when it was checked; before, the one it should get
-        (under a canary, as if its row never failed: the check may send it to PHP)."""
-        chosen = self.chosen.get(item.id)
-        if chosen is not None or not item.task_class:
-            return chosen
+    def group(self, items: Sequence[Leased], start: int) -> tuple[Handler | None, Sequence[Leased]]:
+        """The tasks from ``start`` on that run in one handler call, and the handler they
+        should get: the consecutive ones a handler with a call for several serves, up to
+        its ``batch_limit``; else one."""
+        handler = self.expected(items[start])
+        end = start + 1
+        if handler is not None and runs_together(handler):
+            limit = min(len(items), start + batch_limit(handler))
+            while end < limit and self.expected(items[end]) is handler:
+                end += 1
+        return handler, items[start:end]
+
+    def expected(self, item: Leased) -> Handler | None:
+        """The handler ``item`` should get, before its check (under a canary, as if its row
+        never failed: the check may send it to PHP, ``run.handler_calls``)."""
+        if not item.task_class:
+            return None
         return choose(self.rt.registry, self.canary, item.task_class, item.id, None).handler
 
-    def group(self, items: Sequence[Leased], index: int) -> Sequence[Leased]:
-        """The tasks from ``index`` on that run in one handler call: the consecutive ones
-        a handler with a call for several serves, up to its ``batch_limit``; else one."""
-        handler = self.handler_of(items[index])
-        end = index + 1
-        if handler is not None and runs_together(handler):
-            limit = min(len(items), index + batch_limit(handler))
-            while end < limit and self.handler_of(items[end]) is handler:
-                end += 1
-        return items[index:end]
+    def check(self, group: Sequence[Leased], handler: Handler | None) -> list[CheckedTask]:
+        """The checks of one handler call's tasks: the first one's in the round trip of
+        the staged outcomes (:meth:`check_first`), the others' one after another."""
+        leases = [self.lease(item) for item in group]
+        tasks = [self.check_first(group[0], leases[0], handler)]
+        session = self.rt.queue.session
+        tasks += [
+            session.check(lease, item.data)
+            for item, lease in zip(group[1:], leases[1:], strict=True)
+        ]
+        return [
+            CheckedTask(item, lease, task, self.trace(item))
+            for item, lease, task in zip(group, leases, tasks, strict=True)
+        ]
+
+    def stage(self, checked: CheckedTask, ended: Ended, handler: Handler | None) -> None:
+        """Report a run that has nothing to write; stage an outcome to write (a success
+        with follow-ups is written at once, alone, with their ids). ``handler``: the one
+        its group was cut for, which stands for the one that ran it when none did."""
+        item = checked.item
+        with traced(checked.trace):
+            if isinstance(ended, RunReport):
+                self.report(item, ended)
+                return
+            ran = handler if ended.handler is None else ended.handler
+            try:
+                staged = StagedOutcome.of(self.rt, item, ended, ran)
+            except ValueError as exc:  # a duration or wait out of Phorge's range
+                self.report(item, StagedOutcome(item, ended, None, None).report(exc))
+                return
+            if staged.write is not None:
+                self.staged.append(staged)
+            else:
+                self.report_writes([staged], self.write([staged]))
+
+    def abandon(
+        self, items: Sequence[Leased], index: int, exc: DatabaseUnavailable
+    ) -> list[Leased]:
+        """What is left of ``items`` once ``exc`` stopped the group at ``index``. Writes
+        refused: the tasks from there on go back unrun, after the outcomes that waited for
+        the group's (for a message's first group, their leases will expire). The database
+        unavailable: nothing more is written, and the leases will expire."""
+        if isinstance(exc, WritesRefused):
+            self.rt.writes.refused(exc)
+            if index:
+                self.flush()  # outcomes that waited for this task's are held
+                return list(items[index:])
+            self.unreported(items, f"not started: {exc}; the lease will expire")
+            return []
+        staged, self.staged = self.staged, []
+        self.report_writes(staged, [exc] * len(staged))
+        self.unreported(items[index:], f"database unavailable ({exc}); the lease will expire")
+        return []
+
+    def lease(self, item: Leased) -> Lease:
+        return Lease(item.id, self.owner, item.failure_count)
+
+    def trace(self, item: Leased) -> TaskTrace:
+        return TaskTrace(item.id, item.task_class, self.owner, self.traceparent or "")
 
     def unreported(self, items: Sequence[Leased], reason: str) -> None:
         for item in items:
             with traced(self.trace(item)):
                 self.report(item, RunReport(Outcome.UNREPORTED, reason))
 
-    def trace(self, item: Leased) -> TaskTrace:
-        return TaskTrace(item.id, item.task_class, self.owner, self.traceparent or "")
-
-    def run_group(self, group: Sequence[Leased]) -> None:
-        """Check, run and stage the outcomes of one handler call's tasks."""
-        leases = [Lease(item.id, self.owner, item.failure_count) for item in group]
-        checked = [self.check(group[0], leases[0])]
-        session = self.rt.queue.session
-        checked += [
-            session.check(lease, item.data)
-            for item, lease in zip(group[1:], leases[1:], strict=True)
-        ]
-        cleared: list[tuple[Leased, ClearedTask]] = []
-        for item, lease, task in zip(group, leases, checked, strict=True):
-            with traced(self.trace(item)):
-                prepared = prepare(self.rt, lease, task, self.traceparent, self.canary)
-                if isinstance(prepared, ClearedTask):
-                    self.chosen[item.id] = prepared.handler
-                    cleared.append((item, prepared))
-                else:
-                    self.stage(item, prepared)
-        for calls in handler_calls(cleared):
-            with traced(self.trace(calls[0][0])):
-                runs = run_cleared(self.rt, [task for _, task in calls])
-            for (item, _), ended in zip(calls, runs, strict=True):
-                with traced(self.trace(item)):
-                    self.stage(item, ended)
-
-    def stage(self, item: Leased, ended: Ended) -> None:
-        """Report a run that has nothing to write; stage an outcome to write (a success
-        with follow-ups is written at once, alone, with their ids)."""
-        if isinstance(ended, RunReport):
-            self.report(item, ended)
-            return
-        try:
-            staged = StagedOutcome.of(self.rt, item, ended)
-        except ValueError as exc:  # a duration or wait out of Phorge's range
-            self.report(item, StagedOutcome(item, ended, None, None).report(exc))
-            return
-        if staged.write is not None:
-            self.staged.append(staged)
-        else:
-            self.report_writes([staged], self.write([staged]))
-
-    def defers(self, item: Leased) -> bool:
-        """Whether the staged outcomes wait for ``item``'s: they and it are of one
-        transport handler that runs its tasks one by one and whose outcomes share a commit
-        (the PHP runner), fewer than its ``batch_limit`` so far. Each such task is still
-        checked just before it runs, its lease counted from there."""
-        handler = self.handler_of(item)
+    def defers(self, handler: Handler | None) -> bool:
+        """Whether the staged outcomes wait for those of the next group (``handler``'s):
+        they and it are of one transport handler that runs its tasks one by one and whose
+        outcomes share a commit (the PHP runner), fewer than its ``batch_limit`` so far.
+        Each such task is still checked just before it runs, its lease counted from there."""
         return (
             handler is not None
             and not runs_together(handler)
             and len(self.staged) < batch_limit(handler)
-            and all(self.handler_of(s.item) is handler for s in self.staged)
+            and all(s.handler is handler for s in self.staged)
         )
 
-    def check(self, item: Leased, lease: Lease) -> Task | None:
+    def check_first(self, item: Leased, lease: Lease, handler: Handler | None) -> Task | None:
         """The check of ``lease``, sharing its round trip with the staged outcomes
         (unless they wait for this task's, :meth:`defers`)."""
         session = self.rt.queue.session
-        if not self.staged or self.defers(item):
+        if not self.staged or self.defers(handler):
             return session.check(lease, item.data)
         staged, self.staged = self.staged, []
         try:
@@ -341,23 +369,6 @@ class Batch:
         if self.staged:
             staged, self.staged = self.staged, []
             self.report_writes(staged, self.write(staged))
-
-
-def handler_calls(
-    cleared: Sequence[tuple[Leased, ClearedTask]],
-) -> list[list[tuple[Leased, ClearedTask]]]:
-    """Cleared tasks cut into handler calls: consecutive ones of one handler that runs
-    several in one call (``runs_together``) share one, every other task has its own. A
-    group is made before its check, which may send a task elsewhere (a canary's row
-    that fell back goes to PHP), so the handler each one actually got decides."""
-    calls: list[list[tuple[Leased, ClearedTask]]] = []
-    for entry in cleared:
-        handler = entry[1].handler
-        if calls and calls[-1][0][1].handler is handler and runs_together(handler):
-            calls[-1].append(entry)
-        else:
-            calls.append([entry])
-    return calls
 
 
 def run_task(

@@ -1,19 +1,32 @@
-"""The values a task's run hands on, from its check to its written outcome: cleared to run
-(:class:`ClearedTask`), ended with an outcome to write (:class:`PendingOutcome`), or
-ended with nothing left to write (:class:`RunReport`, what callers, observers and the
-metrics are told). They import no step of the run, so every step and every observer
-can use them without an import circle.
+"""The values a task's run hands on, from its check to its written outcome: checked
+(:class:`CheckedTask`), cleared to run (:class:`ClearedTask`), ended with an outcome to
+write (:class:`PendingOutcome`), or ended with nothing left to write (:class:`RunReport`,
+what callers, observers and the metrics are told). They import no step of the run, so
+every step and every observer can use them without an import circle.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from bridge.canary.weights import run_label
 from bridge.engine.sides import archive_owner
+from bridge.engine.tracing import TaskTrace
 from bridge.handlers.api import Handler, TaskContext
 from bridge.handlers.outcome import HandlerResult
-from bridge.queue import Lease, Outcome
+from bridge.queue import Lease, Outcome, Task
+from bridge.queue.model import Leased
+
+
+class CheckedTask(NamedTuple):
+    """A message's task as its check found it, just before its run: the lease it runs
+    under, its row (None: the lease no longer held) and the trace its log lines carry."""
+
+    item: Leased
+    lease: Lease
+    task: Task | None
+    trace: TaskTrace
 
 
 @dataclass(frozen=True)
@@ -65,13 +78,16 @@ class RunReport:
 class PendingOutcome:
     """A run whose outcome is ready to be written under its lease, which runs out at
     ``expires`` (monotonic time): a refused write is tried again until then.
-    ``implementation``: who ran it (:class:`RunReport`), which its archive row names."""
+    ``implementation``: who ran it (:class:`RunReport`), which its archive row names;
+    ``handler``: the handler that ran it (None when it ended before a run), whose
+    outcomes may share a commit."""
 
     lease: Lease
     result: HandlerResult
     expires: float
     ctx: TaskContext | None = None
     implementation: str | None = None
+    handler: Handler | None = None
 
     @property
     def archived_as(self) -> str | None:

@@ -1,26 +1,26 @@
-"""One leased task's run, in the order of ``PhabricatorWorkerActiveTask::executeTask``.
+"""One group's run: a message's consecutive tasks, cut for one handler call.
 
-Check the lease, apply the maximum retry count, make sure the lease covers the run
-(:func:`prepare`: a :class:`ClearedTask`), run (:func:`run_cleared`), and say how it
-ended: with an outcome to write under the lease (:class:`PendingOutcome`), or with
-nothing left to write (:class:`RunReport`, what callers are told). Which side of a gray
-migration runs it is ``bridge.engine.sides``'; writing is the batch's part
+Each checked task is prepared in the order of ``PhabricatorWorkerActiveTask::
+executeTask`` (apply the maximum retry count, make sure the lease covers the run:
+:func:`prepare`, giving a :class:`ClearedTask`), then the cleared ones run, a handler
+call at a time (:func:`run_cleared`), and each run is handed on as it ends: with an
+outcome to write under the lease (:class:`PendingOutcome`), or with nothing left to
+write (:class:`RunReport`). Which side of a gray migration runs it is
+``bridge.engine.sides``'; checking and writing are the batch's part
 (``bridge.engine.batch``); sending and receiving messages is Celery's
 (``bridge.runtime``), so this module knows nothing of either.
 """
 
 from __future__ import annotations
 
-import logging
-import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 
 from bridge.canary.weights import Canary
 from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
-from bridge.engine.reports import ClearedTask, Ended, PendingOutcome, RunReport
+from bridge.engine.reports import CheckedTask, ClearedTask, Ended, PendingOutcome, RunReport
 from bridge.engine.sides import (
     PHDS_SHARE,
     choose,
@@ -28,26 +28,55 @@ from bridge.engine.sides import (
     implementation_label,
     yield_loop_age,
 )
+from bridge.engine.tracing import traced
 from bridge.handlers.api import TaskContext
-from bridge.handlers.capabilities import BatchHandler, availability_of, implementation_of
+from bridge.handlers.capabilities import (
+    BatchHandler,
+    availability_of,
+    implementation_of,
+    runs_together,
+)
 from bridge.handlers.outcome import HandlerResult, clear, run_handler, run_handlers
 from bridge.queue import Lease, Outcome, Task
-
-log = logging.getLogger(__name__)
 
 LEASE_EXPIRED = "the lease expired while the handler ran"
 
 
-def backoff(rt: Runtime, failure_count: int) -> int:
-    """Exponential wait with jitter for native handlers of classes Phorge does not have."""
-    settings = rt.settings
-    wait = min(settings.retry_max, settings.retry_base * 2 ** min(failure_count, 30))
-    return int(wait * (1 + random.uniform(0, settings.retry_jitter)))
+def run_group(
+    rt: Runtime, group: Sequence[CheckedTask], traceparent: str | None, canary: Canary
+) -> Iterator[tuple[CheckedTask, Ended]]:
+    """Prepare a group's checked tasks, then run the cleared ones, a handler call at a
+    time; each task is handed on as it ends (a generator, so that the batch stages each
+    outcome then): one that ends before its run at once, the others after their call."""
+    cleared: list[tuple[CheckedTask, ClearedTask]] = []
+    for checked in group:
+        with traced(checked.trace):
+            prepared = prepare(rt, checked.lease, checked.task, traceparent, canary)
+        if isinstance(prepared, ClearedTask):
+            cleared.append((checked, prepared))
+        else:
+            yield checked, prepared
+    for calls in handler_calls(cleared):
+        with traced(calls[0][0].trace):
+            runs = run_cleared(rt, [run for _, run in calls])
+        yield from zip([checked for checked, _ in calls], runs, strict=True)
 
 
-def retry_wait(rt: Runtime, ctx: TaskContext, declared: int | None) -> int:
-    """The wait after a temporary failure: the one declared, else the backoff."""
-    return declared if declared is not None else backoff(rt, ctx.failure_count)
+def handler_calls(
+    cleared: Sequence[tuple[CheckedTask, ClearedTask]],
+) -> list[list[tuple[CheckedTask, ClearedTask]]]:
+    """Cleared tasks cut into handler calls: consecutive ones of one handler that runs
+    several in one call (``runs_together``) share one, every other task has its own. A
+    group is made before its check, which may send a task elsewhere (a canary's row
+    that fell back goes to PHP), so the handler each one actually got decides."""
+    calls: list[list[tuple[CheckedTask, ClearedTask]]] = []
+    for entry in cleared:
+        handler = entry[1].handler
+        if calls and calls[-1][0][1].handler is handler and runs_together(handler):
+            calls[-1].append(entry)
+        else:
+            calls.append([entry])
+    return calls
 
 
 def context(task: Task, lease: Lease, traceparent: str | None = None) -> TaskContext:
@@ -70,17 +99,16 @@ def prepare(
     rt: Runtime,
     lease: Lease,
     task: Task | None,
-    traceparent: str | None = None,
-    canary: Canary | None = None,
+    traceparent: str | None,
+    canary: Canary,
 ) -> Ended | ClearedTask:
     """Everything before a task's run that its check found (``task``, None when the lease
     no longer held): ended already (an :data:`Ended`) or cleared to run. ``canary``: the
-    weights the caller read for its batch (else read now)."""
+    weights the batch read for its message."""
     for observer in observers():
         observer.run_started(lease)
     if task is None:
         return RunReport(Outcome.LEASE_LOST, "the lease was no longer held before the run")
-    canary = rt.canary.current() if canary is None else canary
     choice = choose(rt.registry, canary, task.task_class, task.id, task.failure_time)
     remaining = (task.lease_expires or 0) - (task.server_time or 0)
     if choice.phds_share:
@@ -171,7 +199,12 @@ def run_cleared(rt: Runtime, group: Sequence[ClearedTask]) -> list[Ended]:
         else:
             ended.append(
                 PendingOutcome(
-                    cleared.lease, result, watch.expires, cleared.ctx, cleared.implementation
+                    cleared.lease,
+                    result,
+                    watch.expires,
+                    cleared.ctx,
+                    cleared.implementation,
+                    handler,
                 )
             )
     return ended

@@ -26,9 +26,8 @@ from bridge import errors
 from bridge.canary.weights import labelled
 from bridge.celery import app
 from bridge.config import load_settings
-from bridge.engine.batch import run_task
+from bridge.engine.batch import backoff, run_task
 from bridge.engine.context import Runtime
-from bridge.engine.run import backoff
 from bridge.errors import DatabaseUnavailable
 from bridge.handlers.api import Handler, PermanentFailure, TaskContext, TemporaryFailure, Yield
 from bridge.handlers.phabricator import PhabricatorTestWorker
