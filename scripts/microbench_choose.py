@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The side choice's CPU a task (``bridge.engine.sides.choose``), as docs/benchmarks.md quotes
-it: without a canary, and with the task's class shared with phd at 99.99% (the bench's
-``bridge-canary-*``). In process, one thread, no database: ``python3 scripts/microbench_choose.py``.
+it: without a canary, and with the task's class shared with phd at 99.99%. In process, one
+thread, no database, so the cost shows under the noise of a whole bench run:
+``python3 scripts/microbench_choose.py``.
 """
 
 import sys

@@ -1,4 +1,5 @@
 """The machinery behind ``scripts/bench``. Imports go one way, down this list: ``procs``,
-``mariadb``, ``rabbit``, ``phorge``, ``phorgedb``, ``bridge_api``, ``records``,
-``taskmaster``, ``consumers``, ``runner``, ``plan``, ``report``, ``cli``. Tests: ``tests/``.
+``mariadb``, ``rabbit``, ``records``, ``bridge_api``, ``phorgedb``, ``taskmaster``,
+``phorge``, ``consumers``, ``runner``, ``plan``, ``report``, ``guard_cost``, ``cli``.
+Tests: ``tests/``.
 """

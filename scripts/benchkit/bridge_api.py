@@ -13,7 +13,6 @@ CELERY_APP = "bridge"  # celery -A bridge
 POLL_TASK = "bridge.poll"
 RUN_RECORD = "bridge.run"  # the record of one Phorge task's run (``records.record_runs``)
 SQL_LOOP_RECORD = "sqlloop"
-DEFAULT_POLL_INTERVAL = 0.25  # BRIDGE_POLL_INTERVAL's default (docs/settings.md)
 
 
 def observe_runs(started: Callable[[int], None], ended: Callable[[int], None]) -> None:
@@ -34,7 +33,7 @@ def observe_runs(started: Callable[[int], None], ended: Callable[[int], None]) -
 def sql_loop(ready: Path) -> None:
     """The bridge's per-task SQL without Celery, a ceiling: polls' leases, each message's
     worth run in process, until a poll leases nothing. Touches ``ready`` after one empty
-    poll, drains on a line on stdin, exits when it closes (the bench reads its CPU first)."""
+    poll, drains on a line on stdin, then waits to be stopped (the bench reads its CPU first)."""
     from bridge.assembly import build_runtime
     from bridge.config import current_settings
     from bridge.engine import Batch, poll_once
@@ -52,3 +51,10 @@ def sql_loop(ready: Path) -> None:
     while poll_once(rt, send):
         pass
     sys.stdin.read()
+
+
+if __name__ == "__main__":  # the SQL loop ceiling: python3 -m benchkit.bridge_api READY RECORDS
+    from benchkit import records
+
+    records.record_runs(records.RecordWriter(sys.argv[2]), SQL_LOOP_RECORD)
+    sql_loop(Path(sys.argv[1]))

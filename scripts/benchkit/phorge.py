@@ -1,7 +1,7 @@
 """A real Phorge, with ``PHORGE_ROOT``: phd, the PHP section's classes and its web tier.
 
 The checkout is never touched: a copy (no ``.git``, arcanist beside it) in the scratch
-directory is configured for the bench's MariaDB and upgraded. :func:`prepare` adds the
+directory, gone with it, is configured for the bench's MariaDB and upgraded, with the
 bench's no-op class, the bridge's extension, an administrator bot (Conduit token) and
 several users to re-index in turn (the search worker locks a document).
 """
@@ -13,8 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,17 +33,15 @@ DOCUMENTS = 16  # users to re-index: more than any consumer runs at once
 WEB_PORT, WEB_WORKERS = 8799, 4
 OPCACHE = ("-d", "opcache.enable=1", "-d", "opcache.enable_cli=1")  # cli-server counts as CLI
 PHP_MODULES = ("mysqli", "curl", "mbstring", "pcntl")
-Log = Callable[[str], None]
 
 
 @dataclass
 class Install:
     root: Path  # the copy's phorge directory
     env: dict[str, str]
-    web_port: int
+    token: str  # the bot's Conduit API token
+    documents: list[str]  # PHIDs the search tasks re-index
     notes: list[str] = field(default_factory=list)
-    token: str = ""  # the PHP section's: the bot's Conduit API token
-    documents: list[str] = field(default_factory=list)  # PHIDs the search tasks re-index
 
 
 def php_env(**extra: str) -> dict[str, str]:
@@ -60,11 +57,12 @@ def run(command: list[str], what: str, **kwargs: Any) -> str:
     return done.stdout
 
 
-@contextmanager
 def install(
-    checkout: Path, server: Server, conn: MySQLdb.Connection, scratch: Path, log: Log, port: int
-) -> Iterator[Install]:
-    """A configured, upgraded copy of the checkout, in ``scratch`` (gone with it)."""
+    checkout: Path, server: Server, conn: MySQLdb.Connection, scratch: Path,
+    log: Callable[[str], None],
+) -> Install:  # fmt: skip
+    """A configured, upgraded copy of the checkout in ``scratch``, with the PHP section's
+    no-op class, the bridge's extension, the bot and the users."""
     try:
         phorge_checkout.check_checkout(checkout, php_modules=PHP_MODULES)
     except phorge_checkout.NotACheckout as exc:
@@ -78,10 +76,12 @@ def install(
     config = {"mysql.host": "127.0.0.1", "mysql.port": str(server.port), "mysql.user": USER,
               "mysql.pass": PASSWORD, "storage.default-namespace": "phabricator",
               "phd.log-directory": str(scratch / "phd-log"),
-              "phabricator.base-uri": f"http://127.0.0.1:{port}/"}  # fmt: skip
+              "phabricator.base-uri": f"http://127.0.0.1:{WEB_PORT}/"}  # fmt: skip
     (root / "conf" / "local").mkdir(parents=True, exist_ok=True)
     (root / "conf" / "local" / "local.json").write_text(json.dumps(config, indent=2))
     (scratch / "phd-log").mkdir(exist_ok=True)
+    noop = f"{NOOP_CLASS}.php"
+    shutil.copyfile(PHP_DIR / noop, root / "src" / "extensions" / noop)
     env = php_env()
     log("bin/storage upgrade --force on the bench's MariaDB (a few minutes)")
     conn.cursor().execute("SET GLOBAL innodb_flush_log_at_trx_commit = 2")  # for this step only
@@ -90,42 +90,26 @@ def install(
         run(storage, "bin/storage upgrade", env=env, cwd=root, timeout=1800)
     finally:
         conn.cursor().execute("SET GLOBAL innodb_flush_log_at_trx_commit = 1")
+    log(f"installing the bridge's extension, a bot and {DOCUMENTS} users")
+    command = f"-m bridge.cli phorge install-extension --phorge-root {root}".split()
+    extension_env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run([sys.executable, *command], "install-extension", cwd=REPO, env=extension_env, timeout=120)
+    helper = ["php", str(PHP_DIR / "helper.php"), str(root), str(DOCUMENTS)]
+    answer = json.loads(run(helper, "helper.php", cwd=root, env=env, timeout=300).splitlines()[-1])
+    if not answer.get("noopLoaded") or not answer.get("admin"):
+        raise BenchError(f"helper.php: the no-op class not found or the bot no admin: {answer}")
     git = ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"]
-    revision = subprocess.run(git, capture_output=True, text=True).stdout.strip()
-    note = (
-        f"phd: Phorge {revision or '(no git)'} from {checkout}, run from a copy configured for the "
-        "bench's MariaDB as `bin/phd debug taskmaster` (one per process); its overseer logs to "
-        "`daemon_logevent` (statements `phd start` would not make)."
-    )
-    yield Install(root, env, port, [note])
-
-
-@contextmanager
-def prepare(setup: Install, log: Log) -> Iterator[Install]:
-    """The PHP section's no-op class (removed afterwards), the extension, the bot, the users."""
-    target = setup.root / "src" / "extensions" / f"{NOOP_CLASS}.php"
-    shutil.copyfile(PHP_DIR / target.name, target)
-    try:
-        log(f"installing {NOOP_CLASS}, the bridge's extension, a bot and {DOCUMENTS} users")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        command = f"-m bridge.cli phorge install-extension --phorge-root {setup.root}".split()
-        run([sys.executable, *command], "install-extension", cwd=REPO, env=env, timeout=120)
-        helper = ["php", str(PHP_DIR / "helper.php"), str(setup.root), str(DOCUMENTS)]
-        out = run(helper, "helper.php", cwd=setup.root, env=setup.env, timeout=300)
-        answer = json.loads(out.strip().splitlines()[-1])
-        if not answer.get("noopLoaded") or not answer.get("admin"):
-            wrong = "the no-op class not found or the bot not an administrator"
-            raise BenchError(f"helper.php: {wrong}: {answer}")
-        setup.token, setup.documents = str(answer["token"]), [str(d) for d in answer["documents"]]
-        setup.notes.append(
-            f"PHP section: PHP {answer.get('php')}; `{NOOP_CLASS}` (a `doWork()` that returns) in "
-            f"the copy's `src/extensions/`; `{SEARCH_CLASS}` re-indexes {DOCUMENTS} users in turn "
-            "with `parameters.force` (as `bin/search index --force`); the Conduit token an "
-            "administrator bot's."
-        )
-        yield setup
-    finally:
-        target.unlink(missing_ok=True)
+    revision = subprocess.run(git, capture_output=True, text=True).stdout.strip() or "(no git)"
+    notes = [
+        f"phd: Phorge {revision} from {checkout} on PHP {answer.get('php')}, run from a copy "
+        "configured for the bench's MariaDB as `bin/phd debug taskmaster` (one per process); "
+        "its overseer logs to `daemon_logevent` (statements `phd start` would not make).",
+        f"PHP section: `{NOOP_CLASS}` (a `doWork()` that returns) in the copy's "
+        f"`src/extensions/`; `{SEARCH_CLASS}` re-indexes {DOCUMENTS} users in turn with "
+        "`parameters.force` (as `bin/search index --force`); the Conduit token an "
+        "administrator bot's.",
+    ]
+    return Install(root, env, str(answer["token"]), [str(d) for d in answer["documents"]], notes)
 
 
 def search_data(documents: list[str]) -> tuple[str, ...]:
@@ -139,12 +123,6 @@ class WebTier:
     url: str
     proc: procs.Proc
 
-    def opcache(self) -> dict[str, Any]:
-        """One web worker's opcache ``enabled``, ``hits`` and ``misses``."""
-        answer = requests.get(f"{self.url}/__bench/opcache", timeout=10)
-        answer.raise_for_status()
-        return dict(answer.json())
-
     def accepted(self) -> int:
         """Connections ``php -S`` accepted (it logs each): the bridge's requests."""
         try:
@@ -153,31 +131,29 @@ class WebTier:
             return 0
 
 
-def web_tier(root: Path, port: int, directory: Path) -> WebTier:
+def web_tier(root: Path, directory: Path) -> WebTier:
     """``PHP_CLI_SERVER_WORKERS=4 php -d opcache... -S`` with Phorge's rewrite rule as
     router; returns once it answers with opcache on (else stops it and raises)."""
-    webroot = str(root / "webroot")
+    webroot, url = str(root / "webroot"), f"http://127.0.0.1:{WEB_PORT}"
     env = php_env(PHP_CLI_SERVER_WORKERS=str(WEB_WORKERS), PHORGE_WEBROOT=webroot)
-    router, log = str(PHP_DIR / "router.php"), directory / "php-server.log"
-    command = ["php", *OPCACHE, "-S", f"127.0.0.1:{port}", "-t", webroot, router]
-    proc = procs.start("php -S", command, env=env, cwd=root, log=log)
-    web = WebTier(f"http://127.0.0.1:{port}", proc)
+    command = ["php", *OPCACHE, "-S", url[7:], "-t", webroot, str(PHP_DIR / "router.php")]
+    proc = procs.start("php -S", command, env=env, cwd=root, log=directory / "php-server.log")
     status: dict[str, Any] = {}
 
     def answers() -> bool:
-        if not web.proc.alive():
-            raise BenchError(f"php -S exited:\n{web.proc.tail()}")
+        if not proc.alive():
+            raise BenchError(f"php -S exited:\n{proc.tail()}")
         try:
-            status.update(web.opcache())
+            status.update(requests.get(f"{url}/__bench/opcache", timeout=10).json())
         except (requests.RequestException, ValueError):
             return False
         return True
 
     try:
-        procs.wait_until(answers, timeout=30, what=f"php -S on port {port}", interval=0.1)
+        procs.wait_until(answers, timeout=30, what=f"php -S on {url}", interval=0.1)
         if not status.get("enabled"):
             raise BenchError(f"opcache is off in the web tier ({status})")
     except BaseException:
-        procs.stop(web.proc)
+        procs.stop(proc)
         raise
-    return web
+    return WebTier(url, proc)

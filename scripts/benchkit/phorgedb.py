@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import MySQLdb
@@ -16,6 +16,7 @@ TASK_CLASS = "PhabricatorTestWorker"
 TABLES = ("worker_activetask", "worker_archivetask", "worker_taskdata", "lisk_counter")
 STATUS = ("Questions", "Com_commit")
 GLOBAL_ONLY = ("Innodb_log_writes",)  # each a durable flush, for a group of commits
+IDS = "id BETWEEN %s AND %s"  # a batch's rows
 Status = tuple[dict[str, int], dict[str, int]]  # global, session
 # LiskDAO::loadNextCounterValue, with +n for a batch of ids in one statement.
 NEXT_IDS = (
@@ -37,7 +38,6 @@ class Batch:
     first: int
     last: int
     committed: float  # time.time() right after COMMIT returned
-    phds: frozenset[int] = frozenset()  # run by the phd stand-in (``run_phds_share``)
 
     @property
     def size(self) -> int:
@@ -80,28 +80,6 @@ def set_canary(conn: MySQLdb.Connection, ddl: Path, weights: dict[str, object] |
         )
 
 
-def run_phds_share(conn: MySQLdb.Connection, batch: Batch, weight: int) -> Batch:
-    """What the shipped daemon would take of ``batch`` at a bridge weight of ``weight``
-    basis points (its rows whose bucket is not below it), archived at once as if phd had
-    run them: the bench measures the bridge's share only."""
-    theirs = f"id BETWEEN %s AND %s AND MOD(CRC32(CONCAT('celery:', id)), 10000) >= {weight}"
-    cur = conn.cursor()
-    cur.execute("START TRANSACTION")
-    cur.execute(f"SELECT id FROM worker_activetask WHERE {theirs}", (batch.first, batch.last))
-    phds = frozenset(int(row[0]) for row in cur.fetchall())
-    cur.execute(
-        "INSERT INTO worker_archivetask (id, taskClass, leaseOwner, leaseExpires, failureCount,"
-        " dataID, priority, objectPHID, containerPHID, dateCreated, dateModified, result,"
-        " duration, archivedEpoch) SELECT id, taskClass, 'phd:0:0:bench:0', leaseExpires,"
-        " failureCount, dataID, priority, objectPHID, containerPHID, dateCreated,"
-        f" UNIX_TIMESTAMP(), 0, 1, UNIX_TIMESTAMP() FROM worker_activetask WHERE {theirs}",
-        (batch.first, batch.last),
-    )
-    cur.execute(f"DELETE FROM worker_activetask WHERE {theirs}", (batch.first, batch.last))
-    cur.execute("COMMIT")
-    return replace(batch, phds=phds)
-
-
 def truncate(conn: MySQLdb.Connection) -> None:
     """Empty the queue between scenarios; ``lisk_counter`` keeps growing, as in Phorge."""
     for table in TABLES[:3]:
@@ -136,32 +114,26 @@ def enqueue(
     return Batch(ids.start, last, time.time())
 
 
-def one(conn: MySQLdb.Connection, sql: str, args: Sequence[object]) -> tuple[int, ...]:
-    cur = conn.cursor()
-    cur.execute(sql, args)
-    return tuple(int(v or 0) for v in cur.fetchone())
-
-
 def progress(conn: MySQLdb.Connection, batch: Batch) -> tuple[int, int, int]:
     """(active, leased, archived) rows of the batch, on its id range only."""
-    return one(  # type: ignore[return-value]
-        conn,
-        "SELECT (SELECT COUNT(*) FROM worker_activetask WHERE id BETWEEN %s AND %s),"
-        " (SELECT COUNT(*) FROM worker_activetask WHERE id BETWEEN %s AND %s"
-        " AND leaseOwner IS NOT NULL),"
-        " (SELECT COUNT(*) FROM worker_archivetask WHERE id BETWEEN %s AND %s)",
+    cur = conn.cursor()
+    cur.execute(
+        f"SELECT (SELECT COUNT(*) FROM worker_activetask WHERE {IDS}),"
+        f" (SELECT COUNT(*) FROM worker_activetask WHERE {IDS} AND leaseOwner IS NOT NULL),"
+        f" (SELECT COUNT(*) FROM worker_archivetask WHERE {IDS})",
         (batch.first, batch.last) * 3,
     )
+    active, leased, archived = (int(v) for v in cur.fetchone())
+    return active, leased, archived
 
 
-def problems(conn: MySQLdb.Connection, batch: Batch) -> list[str]:
-    """Every task archived once (the archive's key forbids more), with result 0."""
-    where, ids = "WHERE id BETWEEN %s AND %s", (batch.first, batch.last)
-    done, ok = one(conn, f"SELECT COUNT(*), SUM(result = 0) FROM worker_archivetask {where}", ids)
-    (active,) = one(conn, f"SELECT COUNT(*) FROM worker_activetask {where}", ids)
-    found = [f"{done} of {batch.size} tasks archived"] if done != batch.size else []
-    found += [f"{done - ok} archived with a result other than 0"] if ok != done else []
-    return found + ([f"{active} still in the active table"] if active else [])
+def failed(conn: MySQLdb.Connection, batch: Batch) -> int:
+    """The batch's archived rows with a result other than 0 (each task is there once: the
+    archive's key forbids more)."""
+    cur = conn.cursor()
+    sql = f"SELECT COUNT(*) FROM worker_archivetask WHERE {IDS} AND result != 0"
+    cur.execute(sql, (batch.first, batch.last))
+    return int(cur.fetchone()[0])
 
 
 def status(conn: MySQLdb.Connection) -> Status:

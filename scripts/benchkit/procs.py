@@ -62,15 +62,13 @@ class ProcStat:
     session: int
     name: str  # the command name: php, python3, mariadbd
     cpu: float  # CPU seconds, its own and those of the children it reaped
-    zombie: bool = False
+    zombie: bool
 
 
 def scan() -> dict[int, ProcStat]:
     """Every process of the machine, zombies included (their CPU is not yet reaped)."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             text = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
@@ -95,10 +93,6 @@ def family(table: dict[int, ProcStat], leader: int) -> list[ProcStat]:
             seen.add(pid)
             todo.extend(children.get(pid, ()))
     return [table[pid] for pid in sorted(seen)]
-
-
-def family_cpu(leader: int, table: dict[int, ProcStat]) -> float:
-    return sum(p.cpu for p in family(table, leader))
 
 
 def stop(proc: Proc, *, grace: float = 10.0, first_signal: int = signal.SIGTERM) -> None:
@@ -149,22 +143,10 @@ class MachineCPU:
         total = sum(values[:8])  # guest time is already in user
         return cls(total - values[3] - values[4], total)  # less idle and iowait
 
-    def busy_seconds_since(self, before: MachineCPU) -> float:
-        return (self.busy - before.busy) / TICKS
-
-    def busy_share_since(self, before: MachineCPU) -> float:
-        total = self.total - before.total
-        return (self.busy - before.busy) / total if total else 0.0
-
-    def shares(self, before: MachineCPU, known: float) -> tuple[float, float]:
-        """The share of all cores busy since ``before``, and of it the share that ``known``
-        CPU seconds (the measured processes') leave unexplained."""
-        busy, capacity = self.busy_share_since(before), (self.total - before.total) / TICKS
-        return busy, max(0.0, busy - known / capacity) if capacity else 0.0
-
-
-def busy_share(window: float) -> float:
-    """How busy the machine is over the next ``window`` seconds (0..1)."""
-    before = MachineCPU.sample()
-    time.sleep(window)
-    return MachineCPU.sample().busy_share_since(before)
+    def since(self, before: MachineCPU, known: float) -> tuple[float, float, float]:
+        """CPU seconds the machine was busy since ``before``, the share of all cores that
+        is, and of it the share that ``known`` CPU seconds (the measured processes') leave
+        unexplained: a large one says the figures are disturbed."""
+        busy, capacity = (self.busy - before.busy) / TICKS, (self.total - before.total) / TICKS
+        share = busy / capacity if capacity else 0.0
+        return busy, share, max(0.0, share - known / capacity) if capacity else 0.0

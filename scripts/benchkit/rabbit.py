@@ -1,6 +1,6 @@
 """The RabbitMQ of ``scripts/services.sh`` (started if it does not answer), with a vhost of
-its own per run, so the bridge keeps its queue names yet meets no other user's workers;
-if ``rabbitmqctl`` cannot reach the node, the default vhost and queue names of our own."""
+its own per run: the bridge keeps its queue names, and its remote-control broadcasts meet
+no other user's workers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import os
 import secrets
 import subprocess
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from benchkit import procs
@@ -18,12 +17,13 @@ from benchkit.procs import BenchError
 SERVICES = (
     Path(os.environ.get("PHORGE_BRIDGE_SERVICES_DIR", "/tmp/phorge-bridge-services")) / "rabbitmq"
 )
-
-
-@dataclass(frozen=True)
-class Broker:
-    url: str
-    shared: bool  # a vhost others use too: the bridge gets queue names of its own
+# What scripts/services.sh exports for rabbitmqctl to find its node.
+CTL_ENV = {"RABBITMQ_NODENAME": "rabbit@localhost", "ERL_EPMD_ADDRESS": "127.0.0.1",
+           "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1", "RABBITMQ_NODE_PORT": "5672",
+           "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+           "RABBITMQ_MNESIA_BASE": str(SERVICES / "mnesia"),
+           "RABBITMQ_LOG_BASE": str(SERVICES / "log"),
+           "RABBITMQ_PID_FILE": str(SERVICES / "rabbitmq.pid")}  # fmt: skip
 
 
 def version() -> str | None:
@@ -37,41 +37,32 @@ def version() -> str | None:
         return None
 
 
-def run(*command: str) -> bool:
-    """Whether ``command`` (``rabbitmqctl`` or ``services.sh``) succeeded, with what
-    ``scripts/services.sh`` exports for it."""
-    env = dict(os.environ, RABBITMQ_NODENAME="rabbit@localhost", RABBITMQ_NODE_PORT="5672",
-               RABBITMQ_NODE_IP_ADDRESS="127.0.0.1", ERL_EPMD_ADDRESS="127.0.0.1",
-               RABBITMQ_MNESIA_BASE=str(SERVICES / "mnesia"),
-               RABBITMQ_LOG_BASE=str(SERVICES / "log"),
-               RABBITMQ_PID_FILE=str(SERVICES / "rabbitmq.pid"))  # fmt: skip
-    env["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"] = "-kernel inet_dist_use_interface {127,0,0,1}"
+def run(*command: str) -> None:
+    """``rabbitmqctl`` or ``services.sh``, with services.sh's environment; raises if it fails."""
     try:
-        return subprocess.run(command, env=env, capture_output=True, timeout=300).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        done = subprocess.run(
+            command, env=os.environ | CTL_ENV, capture_output=True, text=True, timeout=300
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BenchError(f"{' '.join(command)}: {exc}") from None
+    if done.returncode:
+        raise BenchError(f"{' '.join(command)} failed:\n{(done.stdout + done.stderr)[-1000:]}")
 
 
 @contextmanager
-def broker(repo: Path, log: Callable[[str], None]) -> Iterator[Broker]:
-    started = version() is None
+def broker(repo: Path, log: Callable[[str], None]) -> Iterator[str]:
+    """The URL of a fresh vhost, deleted afterwards, with the broker if this started it."""
     services = ("bash", str(repo / "scripts" / "services.sh"))
-    if started:
-        log("RabbitMQ does not answer on 127.0.0.1:5672: bash scripts/services.sh start")
-        if not run(*services, "start"):
-            raise BenchError("bash scripts/services.sh start failed")
-    vhost: str | None = f"bridge-bench-{secrets.token_hex(4)}"
-    permit = ("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-    if not (run("rabbitmqctl", "add_vhost", vhost) and run("rabbitmqctl", *permit)):
-        log("rabbitmqctl cannot reach the node: the default vhost, queues of our own")
-        vhost = None
-    try:
-        yield Broker(f"amqp://guest:guest@127.0.0.1:5672/{vhost or '/'}", vhost is None)
-    finally:
-        if vhost:
-            run("rabbitmqctl", "delete_vhost", vhost)
-        if started:
-            run(*services, "stop")
+    with ExitStack() as cleanup:
+        if version() is None:
+            log("RabbitMQ does not answer on 127.0.0.1:5672: bash scripts/services.sh start")
+            run(*services, "start")
+            cleanup.callback(run, *services, "stop")
+        vhost = f"bridge-bench-{secrets.token_hex(4)}"
+        run("rabbitmqctl", "add_vhost", vhost)
+        cleanup.callback(run, "rabbitmqctl", "delete_vhost", vhost)
+        run("rabbitmqctl", "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        yield f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
 
 
 def cpu() -> float:

@@ -10,13 +10,10 @@ no half lines between processes or threads, none lost when a process is killed.
 
 from __future__ import annotations
 
-import math
 import os
 import re
-import sys
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -35,33 +32,21 @@ class Counters(NamedTuple):
     commits: int = 0
     round_trips: int = 0
 
-    def minus(self, other: Counters) -> Counters:
-        return Counters(*(a - b for a, b in zip(self, other, strict=True)))
 
-
-def latest(counters: Iterable[Counters]) -> Counters:
-    """The highest of cumulative counters, field by field (threads record out of order)."""
-    return Counters(*map(max, zip(Counters(), *counters, strict=False)))
-
-
-class CounterBox:
-    """A process's cumulative counters, bumped from any thread."""
-
-    def __init__(self) -> None:
-        self.lock, self.values = threading.Lock(), [0, 0, 0]
-
-    def bump(self, statements: int, commits: int, round_trips: int = 1) -> None:
-        with self.lock:
-            for i, n in enumerate((statements, commits, round_trips)):
-                self.values[i] += n
-
-    def snapshot(self) -> Counters:
-        with self.lock:
-            return Counters(*self.values)
-
-
-COUNTERS = CounterBox()
+_counts, _lock = [0, 0, 0], threading.Lock()  # this process's Counters, from any thread
 _split: dict[bytes, tuple[int, int]] = {}  # SQL text -> (statements, commits), split once
+
+
+def bump(statements: int, commits: int, round_trips: int = 1) -> None:
+    with _lock:
+        for i, n in enumerate((statements, commits, round_trips)):
+            _counts[i] += n
+
+
+def counters() -> Counters:
+    """This process's requests so far."""
+    with _lock:
+        return Counters(*_counts)
 
 
 def split(query: bytes | str) -> tuple[int, int]:
@@ -114,7 +99,7 @@ class Spans:
     def end(self, key: Any, name: str, task_id: int | None) -> None:
         end, cpu = time.time(), time.thread_time()
         start, cpu0 = self.open.pop(key, (end, cpu))
-        self.writer.write(name, task_id, start, end, cpu - cpu0, counters=COUNTERS.snapshot())
+        self.writer.write(name, task_id, start, end, cpu - cpu0, counters=counters())
 
 
 @dataclass(frozen=True)
@@ -140,22 +125,14 @@ def read_records(directory: Path) -> list[Record]:
 
 
 def counters_between(records: list[Record], since: float, until: float) -> Counters:
-    """Requests of all processes between two instants, from their cumulative counters."""
-    total = Counters()
+    """Requests of all processes between two instants: each process's counters at
+    ``until`` less those at ``since``, the highest of each field (threads write late)."""
+    total = [0, 0, 0]
     for pid in {r.pid for r in records}:
-        mine = [r for r in records if r.pid == pid]
-        before = latest(r.counters for r in mine if r.end <= since)
-        after = latest(r.counters for r in mine if r.end <= until)
-        total = Counters(*(t + d for t, d in zip(total, after.minus(before), strict=True)))
-    return total
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """Nearest rank: every figure is a measured value."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered), max(1, math.ceil(fraction * len(ordered)))) - 1]
+        for at, sign in ((until, 1), (since, -1)):
+            seen = [r.counters for r in records if r.pid == pid and r.end <= at]
+            total = [t + sign * max((c[i] for c in seen), default=0) for i, t in enumerate(total)]
+    return Counters(*total)
 
 
 # -- in the measured processes -------------------------------------------------------------
@@ -208,11 +185,11 @@ def count_requests() -> None:
 
     def counted_query(self: Any, sql: Any) -> Any:
         if not getattr(inside, "on", False):
-            COUNTERS.bump(*split(sql))
+            bump(*split(sql))
         return query(self, sql)
 
     def counted_execute(self: Any, sql: Any, args: Any = None) -> Any:
-        COUNTERS.bump(*split(sql))  # the template (str), or executemany's finished bulk insert
+        bump(*split(sql))  # the template (str), or executemany's finished bulk insert
         inside.on = True
         try:
             return execute(self, sql, args)
@@ -221,7 +198,7 @@ def count_requests() -> None:
 
     def counting(method: Any, commits: int) -> Any:
         def counted(self: Any, *args: Any) -> Any:
-            COUNTERS.bump(0, commits)
+            bump(0, commits)
             return method(self, *args)
 
         return counted
@@ -229,11 +206,3 @@ def count_requests() -> None:
     Connection.query, BaseCursor.execute = counted_query, counted_execute  # type: ignore[method-assign]
     for name in ("commit", "rollback", "ping", "autocommit"):
         setattr(Connection, name, counting(getattr(Connection, name), int(name == "commit")))
-
-
-if __name__ == "__main__":  # the SQL loop ceiling: python3 -m benchkit.records READY RECORDS
-    from benchkit import bridge_api
-    from benchkit import records as hooked  # the copy sitecustomize loaded, whose COUNTERS count
-
-    hooked.record_runs(hooked.RecordWriter(sys.argv[2]), bridge_api.SQL_LOOP_RECORD)
-    bridge_api.sql_loop(Path(sys.argv[1]))

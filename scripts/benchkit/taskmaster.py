@@ -1,8 +1,7 @@
 """A reference taskmaster: Phorge's PHP taskmaster loop (07c1a51310), statement for
 statement, in Python, so every ratio has a baseline on the same database without PHP.
 
-    python3 -m benchkit.taskmaster --port 3309 --user U --password P --database D \
-        --records DIR --ready FILE
+    python3 -m benchkit.taskmaster PORT RECORDS READY
 
 Followed: ``PhabricatorTaskmasterDaemon::run()`` (lease ONE task, run it, ``sleep(1)`` when
 idle), ``PhabricatorWorkerLeaseQuery`` (phases "unleased" then "expired": SELECT, UPDATE
@@ -14,10 +13,10 @@ One autocommit connection, text statements as ``qsprintf``. Left out: the overse
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from itertools import count
@@ -26,12 +25,12 @@ from typing import Any
 
 import MySQLdb
 
+from benchkit.mariadb import PASSWORD, USER
+from benchkit.phorgedb import DATABASE
 from benchkit.records import RecordWriter, Spans
 
 DEFAULT_LEASE = 2 * 60 * 60  # PhabricatorWorkerLeaseQuery::getDefaultLeaseDuration
 IDLE_SLEEP = 1  # PhabricatorTaskmasterDaemon: "When there's no work, sleep for one second."
-RESULT_SUCCESS = 0
-
 PHASES = {
     # phase: (WHERE of the SELECT, ORDER BY)  -- buildCustomWhereClause, buildOrderClause
     "unleased": ("WHERE leaseOwner IS NULL", "ORDER BY priority ASC, id ASC"),
@@ -54,19 +53,13 @@ class Task:
         return int(self.row["id"])
 
 
-@dataclass
-class Connection:
-    """The one MySQLdb connection, one statement a query as ``queryfx``."""
-
-    conn: MySQLdb.Connection
-
-    def query(self, sql: str, args: Any = None) -> tuple[list[dict[str, Any]], int]:
-        """(rows, affected rows) of one statement."""
-        cur = self.conn.cursor(MySQLdb.cursors.DictCursor)
-        affected = cur.execute(sql, args)
-        rows = list(cur.fetchall()) if cur.description else []
-        cur.close()
-        return rows, int(affected)
+def query(conn: MySQLdb.Connection, sql: str, args: Any = None) -> tuple[list[Any], int]:
+    """(rows as dicts, affected rows) of one statement, as ``queryfx``."""
+    cur = conn.cursor(MySQLdb.cursors.DictCursor)
+    affected = cur.execute(sql, args)
+    rows = list(cur.fetchall()) if cur.description else []
+    cur.close()
+    return rows, int(affected)
 
 
 def lease_owner_name(sequence: count) -> str:
@@ -77,11 +70,11 @@ def lease_owner_name(sequence: count) -> str:
     return f"{os.getpid()}:{int(time.time())}:{host}:{next(sequence)}"
 
 
-def lease_one(db: Connection, owner: str) -> Task | None:
+def lease_one(conn: MySQLdb.Connection, owner: str) -> Task | None:
     """``PhabricatorWorkerLeaseQuery->setLimit(1)->execute()``: each phase until one leases."""
     for phase, (where, order) in PHASES.items():
         select = f"SELECT id, leaseOwner FROM `worker_activetask` {where} {order} LIMIT 1"
-        rows, _ = db.query(select)
+        rows, _ = query(conn, select)
         if not rows:
             continue
         row = rows[0]
@@ -89,16 +82,14 @@ def lease_one(db: Connection, owner: str) -> Task | None:
             condition, keys = f"WHERE leaseOwner IS NULL AND id IN ({int(row['id'])})", ()
         else:
             condition, keys = "WHERE (id = %s AND leaseOwner = %s)", (row["id"], row["leaseOwner"])
-        _, affected = db.query(
-            "UPDATE `worker_activetask` task"
-            f" SET leaseOwner = %s, leaseExpires = UNIX_TIMESTAMP() + %s {condition}",
-            (owner, DEFAULT_LEASE, *keys),
-        )
-        if affected:
+        update = "UPDATE `worker_activetask` task SET leaseOwner = %s,"
+        update += f" leaseExpires = UNIX_TIMESTAMP() + %s {condition}"
+        if query(conn, update, (owner, DEFAULT_LEASE, *keys))[1]:
             break
     else:
         return None
-    rows, _ = db.query(
+    rows, _ = query(
+        conn,
         "SELECT task.*, taskdata.data _taskData, UNIX_TIMESTAMP() _serverTime"
         " FROM `worker_activetask` task LEFT JOIN `worker_taskdata` taskdata"
         " ON taskdata.id = task.dataID WHERE task.leaseOwner = %s"
@@ -107,8 +98,7 @@ def lease_one(db: Connection, owner: str) -> Task | None:
     )
     if not rows:
         return None
-    row = rows[0]
-    raw = row.pop("_taskData")
+    row, raw = rows[0], rows[0].pop("_taskData")
     data = json.loads(raw) if raw else None
     return Task(row, data, int(row.pop("_serverTime")), int(time.time()))
 
@@ -116,75 +106,51 @@ def lease_one(db: Connection, owner: str) -> Task | None:
 def check_lease(task: Task) -> None:
     """``checkLease()``: judged locally from the server time read at lease."""
     owner = task.row["leaseOwner"]
-    if not owner or owner == "(yield)":
-        return
     now = task.server_time + (int(time.time()) - task.local_time)
-    if now >= int(task.row["leaseExpires"]):
+    if owner and owner != "(yield)" and now >= int(task.row["leaseExpires"]):
         raise RuntimeError(f"Trying to update Task {task.id} after lease expiration!")
 
 
-def do_work(task: Task) -> None:
-    """``PhabricatorTestWorker::doWork()``: sleep for the task's ``duration``, if any."""
-    duration = task.data.get("duration") if isinstance(task.data, dict) else None
-    if duration:
-        time.sleep(float(duration))
-
-
-def archive(db: Connection, task: Task, result: int, duration: int) -> None:
-    """``archiveTask()`` then ``PhabricatorWorkerArchiveTask::save()``, one transaction."""
-    check_lease(task)
-    now = int(time.time())
-    values = {**task.row, "result": result, "duration": duration}
-    values.update(archivedEpoch=now, dateModified=now)
-    db.query("START TRANSACTION")
-    try:
-        db.query("DELETE FROM `worker_activetask` WHERE id = %s", (task.id,))
-        columns = ", ".join(f"`{c}`" for c in ARCHIVE_COLUMNS)
-        marks = ", ".join(["%s"] * len(ARCHIVE_COLUMNS))
-        db.query(
-            f"INSERT INTO `worker_archivetask` ({columns}) VALUES ({marks})",
-            tuple(values[c] for c in ARCHIVE_COLUMNS),
-        )
-    except BaseException:
-        db.query("ROLLBACK")
-        raise
-    db.query("COMMIT")
-
-
-def execute_task(db: Connection, task: Task) -> None:
-    """``PhabricatorWorkerActiveTask::executeTask()``: its success path."""
+def execute_task(conn: MySQLdb.Connection, task: Task) -> None:
+    """``executeTask()``'s success path: ``PhabricatorTestWorker::doWork()`` sleeps for the
+    task's ``duration``, then ``archiveTask()`` and the archive's ``save()``, one transaction."""
     check_lease(task)
     started = time.time()
-    do_work(task)
-    archive(db, task, RESULT_SUCCESS, int((time.time() - started) * 1_000_000))
+    if isinstance(task.data, dict) and task.data.get("duration"):
+        time.sleep(float(task.data["duration"]))
+    duration = int((time.time() - started) * 1_000_000)
+    check_lease(task)
+    now = int(time.time())
+    values = {**task.row, "result": 0, "duration": duration}
+    values.update(archivedEpoch=now, dateModified=now)
+    columns, marks = ", ".join(f"`{c}`" for c in ARCHIVE_COLUMNS), ["%s"] * len(ARCHIVE_COLUMNS)
+    query(conn, "START TRANSACTION")
+    try:
+        query(conn, "DELETE FROM `worker_activetask` WHERE id = %s", (task.id,))
+        insert = f"INSERT INTO `worker_archivetask` ({columns}) VALUES ({', '.join(marks)})"
+        query(conn, insert, tuple(values[c] for c in ARCHIVE_COLUMNS))
+    except BaseException:
+        query(conn, "ROLLBACK")
+        raise
+    query(conn, "COMMIT")
 
 
-def run(db: Connection, records: RecordWriter) -> None:
+def main(port: str, records: str, ready: str) -> None:
     """``PhabricatorTaskmasterDaemon::run()``, forever (until SIGTERM/SIGKILL)."""
-    sequence, spans = count(1), Spans(records)
+    login = {"user": USER, "password": PASSWORD, "db": DATABASE, "charset": "utf8mb4"}
+    conn = MySQLdb.connect(host="127.0.0.1", port=int(port), **login)
+    conn.autocommit(True)
+    Path(ready).touch()
+    sequence, spans = count(1), Spans(RecordWriter(records))
     while True:
-        task = lease_one(db, lease_owner_name(sequence))
+        task = lease_one(conn, lease_owner_name(sequence))
         if task is None:
             time.sleep(IDLE_SLEEP)
             continue
         spans.start(task.id)
-        execute_task(db, task)
+        execute_task(conn, task)
         spans.end(task.id, "taskmaster", task.id)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag in ("--port", "--user", "--password", "--database", "--records", "--ready"):
-        parser.add_argument(flag, required=True)
-    args = parser.parse_args()
-    conn = MySQLdb.connect(
-        host="127.0.0.1", port=int(args.port), user=args.user, password=args.password,
-        db=args.database, charset="utf8mb4",
-    )  # fmt: skip
-    conn.autocommit(True)
-    Path(args.ready).touch()
-    run(Connection(conn), RecordWriter(args.records))
-
-
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])

@@ -2,17 +2,14 @@
 
 /**
  * scripts/bench's web tier router (`php -S ... router.php`): Phorge's rewrite rule, and
- * /__bench/opcache, the serving worker's opcache status, so the bench can check it.
+ * /__bench/opcache, whether the serving worker's opcache is on, so the bench can check it.
  */
 $path = parse_url($_SERVER['REQUEST_URI'], PHP_URL_PATH);
 if ($path === '/__bench/opcache') {
   header('Content-Type: application/json');
   $status = function_exists('opcache_get_status') ? @opcache_get_status(false) : false;
-  $stats = is_array($status) ? $status['opcache_statistics'] : array();
   echo json_encode(array(
     'enabled' => is_array($status) && !empty($status['opcache_enabled']),
-    'hits' => isset($stats['hits']) ? $stats['hits'] : 0,
-    'misses' => isset($stats['misses']) ? $stats['misses'] : 0,
   ));
   return true;
 }

@@ -51,9 +51,3 @@ def test_requests_between_two_instants_come_from_each_processes_latest_counters(
         rec(2, 11.0, 4, 1, 2),  # a process that started during the run
     ]  # fmt: skip
     assert records.counters_between(found, since=10.0, until=12.0) == Counters(9, 3, 6)
-
-
-def test_percentiles_are_nearest_rank_measured_values():
-    values = [float(v) for v in range(1, 101)]
-    assert [records.percentile(values, f) for f in (0.5, 0.95, 0.99)] == [50.0, 95.0, 99.0]
-    assert records.percentile([0.3, 0.1, 0.2], 0.5) == 0.2

@@ -28,17 +28,19 @@ def db(mysql_conn, monkeypatch):
     for statement in filter(str.strip, text.split(";")):
         cur.execute(statement)
     records.count_requests()
-    return taskmaster.Connection(mysql_conn)
+    return mysql_conn
 
 
 def row(db, task_id: int, table: str = "worker_activetask") -> dict:
-    rows, _ = db.query(f"SELECT * FROM {table} WHERE id = %s", (task_id,))
+    rows, _ = taskmaster.query(db, f"SELECT * FROM {table} WHERE id = %s", (task_id,))
     return rows[0] if rows else {}
 
 
 def test_it_leases_the_most_urgent_row_for_two_hours_then_the_oldest_expired(db):
-    batch = phorgedb.enqueue(db.conn, 3, '{"duration":0.001}')
-    db.query("UPDATE worker_activetask SET priority = 1000 WHERE id = %s", (batch.last,))
+    batch = phorgedb.enqueue(db, 3, '{"duration":0.001}')
+    taskmaster.query(
+        db, "UPDATE worker_activetask SET priority = 1000 WHERE id = %s", (batch.last,)
+    )
     sequence = itertools.count(1)
     task = taskmaster.lease_one(db, taskmaster.lease_owner_name(sequence))
     assert task is not None and task.id == batch.last and task.data == {"duration": 0.001}
@@ -50,21 +52,21 @@ def test_it_leases_the_most_urgent_row_for_two_hours_then_the_oldest_expired(db)
 
     expired = batch.first + 1  # leased by a dead taskmaster: the "expired" phase takes it
     dead = "UPDATE worker_activetask SET leaseOwner = 'x', leaseExpires = 1 WHERE id = %s"
-    db.query(dead, (expired,))
+    taskmaster.query(db, dead, (expired,))
     assert taskmaster.lease_one(db, taskmaster.lease_owner_name(sequence)).id == expired
     assert taskmaster.lease_one(db, taskmaster.lease_owner_name(sequence)) is None
 
 
 def test_a_task_runs_its_duration_and_is_archived_in_seven_round_trips_one_commit(db):
-    batch = phorgedb.enqueue(db.conn, 1, '{"duration":0.02}')
-    before = records.COUNTERS.snapshot()
+    batch = phorgedb.enqueue(db, 1, '{"duration":0.02}')
+    before = records.counters()
     started = time.time()
     task = taskmaster.lease_one(db, taskmaster.lease_owner_name(itertools.count(1)))
     taskmaster.execute_task(db, task)
     assert time.time() - started >= 0.02
-    spent = records.COUNTERS.snapshot().minus(before)
-    assert spent == records.Counters(statements=5, commits=1, round_trips=7)
+    spent = [after - b for after, b in zip(records.counters(), before, strict=True)]
+    assert spent == [5, 1, 7]  # statements, commits, round trips
     archived = row(db, batch.first, "worker_archivetask")
     assert (archived["result"], archived["leaseOwner"]) == (0, task.row["leaseOwner"])
     assert archived["duration"] >= 20_000 and not row(db, batch.first)
-    assert phorgedb.problems(db.conn, batch) == []
+    assert phorgedb.progress(db, batch) == (0, 0, 1) and phorgedb.failed(db, batch) == 0
