@@ -537,7 +537,7 @@ QUEUE_DAEMON = "PhorgeBridgeQueueDaemon"
 UNIT = "phorge-bridge-queue-daemon"  # deploy/systemd/phorge-bridge-queue-daemon@.service
 
 
-def phds_share(canary: Canary) -> list[str]:
+def phd_share(canary: Canary) -> list[str]:
     """What the weights leave to phd at the celery level, as an operator reads it."""
     share = [
         f"{name} {percent(SCALE - weight):g}%"
@@ -569,7 +569,7 @@ def check_old_side(doctor: Doctor) -> Check:
     canary = weights_after_the_canary_check(doctor, name)
     if isinstance(canary, Check):
         return canary
-    share = phds_share(canary)
+    share = phd_share(canary)
     if not share:
         return Check(name, "ok", f"the weights leave phd nothing: no {QUEUE_DAEMON} needed")
     counted = count_daemons(doctor, name, QUEUE_DAEMON)

@@ -22,7 +22,7 @@ from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
 from bridge.engine.reports import CheckedTask, ClearedTask, Ended, PendingOutcome, RunReport
 from bridge.engine.sides import (
-    PHDS_SHARE,
+    PHD_SHARE,
     choose,
     fallback,
     implementation_label,
@@ -111,9 +111,9 @@ def prepare(
         return RunReport(Outcome.LEASE_LOST, "the lease was no longer held before the run")
     choice = choose(rt.registry, canary, task.task_class, task.id, task.failure_time)
     remaining = (task.lease_expires or 0) - (task.server_time or 0)
-    if choice.phds_share:
+    if choice.back_to_phd:
         # Rolled back, or its weight lowered, since the poll: phd's daemon takes it.
-        back = HandlerResult(Outcome.HANDED_BACK, reason=PHDS_SHARE)
+        back = HandlerResult(Outcome.HANDED_BACK, reason=PHD_SHARE)
         return PendingOutcome(lease, back, time.monotonic() + remaining)
     handler = choice.handler
     if handler is None:

@@ -23,7 +23,7 @@ from bridge.queue.model import MAX_NAME
 
 log = logging.getLogger(__name__)
 
-PHDS_SHARE = "canary: phd's share"  # the reason a row the weights give to phd goes back
+PHD_SHARE = "canary: phd's share"  # the reason a row the weights give to phd goes back
 # What a new-side run falls back on: its failures, and a hand-back (its transport was down,
 # or failed it mid-run), so that the row does not go back to the side that failed it.
 FALLS_BACK = (Outcome.FAILURE, Outcome.PERMANENT_FAILURE, Outcome.HANDED_BACK)
@@ -51,12 +51,12 @@ class Choice:
     """Which handler runs a task under the canary in force. ``fallback_to``: set for a
     run of the new side of a class shared at some level (``phd`` at the celery level, the
     PHP transport at the python level), which takes the task when the run fails.
-    ``phds_share``: the row is no longer the bridge's (its class was rolled back, or its
+    ``back_to_phd``: the row is no longer the bridge's (its class was rolled back, or its
     weight lowered): it goes back, for phd."""
 
     handler: Handler | None
     fallback_to: str | None = None
-    phds_share: bool = False
+    back_to_phd: bool = False
 
 
 _UNHONOURED: set[str] = set()  # classes whose python weight this worker cannot honour
@@ -76,7 +76,7 @@ def choose(
     fallback_to = None
     if canary.weight(task_class, CELERY) < SCALE:
         if not canary.takes(CELERY, task_class, task_id, failure_time):
-            return Choice(None, phds_share=True)
+            return Choice(None, back_to_phd=True)
         fallback_to = PHD
     if canary.weight(task_class, PYTHON) < SCALE and registry.native.get(task_class) is handler:
         php = registry.php_handler_for(task_class)

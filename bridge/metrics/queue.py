@@ -143,7 +143,7 @@ class QueueCollector:
             yield family
         yield from self.paces(served, figures)
         if canary.active:
-            yield from self.phds_share(phds, stats.server_time)
+            yield from self.phd_share_gauges(phds, stats.server_time)
         if is_mysql(self.queue.engine):  # SQLite runs one beat, in the worker's host
             beat = GaugeMetricFamily(
                 "phorge_bridge_beat_running",
@@ -154,7 +154,7 @@ class QueueCollector:
             )
             yield beat
 
-    def phds_share(self, rows: Iterable[Any], now: int) -> Iterator[GaugeMetricFamily]:
+    def phd_share_gauges(self, rows: Iterable[Any], now: int) -> Iterator[GaugeMetricFamily]:
         """The due rows the weights give phd, per class: what only a
         ``PhorgeBridgeQueueDaemon`` takes (the alert PhorgeBridgePhdShareStalled)."""
         due = GaugeMetricFamily(

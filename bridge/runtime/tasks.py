@@ -26,7 +26,7 @@ from bridge.assembly import runtime
 from bridge.engine.batch import Batch
 from bridge.engine.redelivery import hand_back_redelivered
 from bridge.engine.reports import RunReport
-from bridge.engine.sides import PHDS_SHARE
+from bridge.engine.sides import PHD_SHARE
 from bridge.engine.tracing import (
     TRACEPARENT_HEADER,
     TaskTrace,
@@ -116,7 +116,7 @@ def execute_task(
         if repoll:
             ask_for_poll(self.app)
     _, report, line = batch.reports[0]
-    if report.outcome in (Outcome.SUCCESS, Outcome.FALLBACK) or report.reason == PHDS_SHARE:
+    if report.outcome in (Outcome.SUCCESS, Outcome.FALLBACK) or report.reason == PHD_SHARE:
         return line  # (phd's share runs in phd, not in a message)
     if report.outcome in (Outcome.YIELD, Outcome.HANDED_BACK):
         return yielded(line, item)

@@ -27,7 +27,7 @@ from bridge.engine.batch import Batch, run_task
 from bridge.engine.context import FixedCanary, Runtime, open_runtime
 from bridge.engine.poll import poll_once
 from bridge.engine.reports import RunReport
-from bridge.engine.sides import PHDS_SHARE, archive_owner
+from bridge.engine.sides import PHD_SHARE, archive_owner
 from bridge.errors import ConfigError
 from bridge.handlers.api import (
     HandBack,
@@ -363,7 +363,7 @@ def test_a_row_no_longer_the_bridges_is_handed_back_to_phd(tmp_path: Path, how: 
     assert set(native.ran) == kept
     back = [i for i in ids if i not in kept]
     assert {reports[i].outcome for i in back} == {Outcome.HANDED_BACK}
-    assert {reports[i].reason for i in back} == {PHDS_SHARE}
+    assert {reports[i].reason for i in back} == {PHD_SHARE}
     assert reports[back[0]].describe("X#1") == "X#1: handed-back: canary: phd's share"
     rows = active_rows(rt, back)
     assert {
