@@ -544,14 +544,14 @@ class Settings:
         "BRIDGE_CANARY",
         "true",
         _boolean,
-        "read the gray migration's weights from Phorge's config table; false: every class "
+        "read the canary's weights from Phorge's config table; false: every class "
         "wholly on the bridge, the table never read (an account not granted it)",
     )
     canary_database: str | None = setting(
         "BRIDGE_CANARY_DATABASE",
         "",
         _optional(_database_name),
-        "database of Phorge's config table, where the gray migration's weights and state "
+        "database of Phorge's config table, where the canary's weights and state "
         "live (default: `{namespace}_config` beside the worker database; SQLite: its file)",
     )
     canary_refresh: float = setting(

@@ -1,4 +1,4 @@
-"""The gray migration's decisions on one class and level, written once here for the guard
+"""The canary's decisions on one class and level, written once here for the guard
 and the operator's CLI alike: roll back, promote, step a ramp, pause or resume it, and
 record the new side's version.
 

@@ -1,4 +1,4 @@
-"""``phorge-bridge canary``: the gray migration's weights, rollbacks and figures.
+"""``phorge-bridge canary``: the canary's weights, rollbacks and figures.
 
 The operator sets the weights with Phorge's ``./bin/config set --database
 phorge-bridge.canary '<json>'`` or, one class and level at a time, ``canary set`` and
@@ -183,8 +183,8 @@ def table(rows: list[list[str]]) -> list[str]:
 
 @click.group()
 def canary() -> None:
-    """Gray migration: the weights that send a share of a class to the new side, its
-    rollbacks and the figures of both sides (docs/gray-migration.md).
+    """Canary: the weights that send a share of a class to the new side, its
+    rollbacks and the figures of both sides (docs/canary.md).
 
     The weights are Phorge's config option phorge-bridge.canary, set with
     ./bin/config set --database phorge-bridge.canary '<json>'.

@@ -109,7 +109,7 @@ class Doctor:
 
     @cached_property
     def canary_store(self) -> CanaryStore:
-        """Phorge's config table, where the gray migration's weights are (doctor says a
+        """Phorge's config table, where the canary's weights are (doctor says a
         missing table in its own words)."""
         assert self.settings is not None
         return CanaryStore.for_settings(self.queue.engine, self.settings, warn_missing=False)
@@ -527,8 +527,8 @@ def check_taskmasters(doctor: Doctor) -> Check:
             "warn",
             f"{counted.live} running. They split the work with the bridge, and retry "
             "Python-only classes every 5 minutes forever: set phd.taskmasters to 0 and "
-            "restart phd, running PhorgeBridgeQueueDaemon's unit for a gray migration "
-            f"(docs/gray-migration.md){counted.ignored}",
+            "restart phd, running PhorgeBridgeQueueDaemon's unit for a canary "
+            f"(docs/canary.md){counted.ignored}",
         )
     return Check(name, "ok", f"none running{counted.ignored}")
 
@@ -551,7 +551,7 @@ def phd_share(canary: Canary) -> list[str]:
 
 def weights_after_the_canary_check(doctor: Doctor, name: str) -> Canary | Check:
     """The weights for check ``name``, which needs the canary check; its verdict when
-    the gray migration is off."""
+    the canary is off."""
     doctor.require("canary")
     assert doctor.settings is not None
     if not doctor.settings.canary:
@@ -580,7 +580,7 @@ def check_old_side(doctor: Doctor) -> Check:
         return Check(
             name, "ok", f"{running} ({counted.standalone} under its unit){counted.ignored}"
         )
-    unit = f"systemctl enable --now {UNIT}@1 (docs/gray-migration.md)"
+    unit = f"systemctl enable --now {UNIT}@1 (docs/canary.md)"
     if counted.live:
         return Check(
             name,
@@ -598,7 +598,7 @@ def check_old_side(doctor: Doctor) -> Check:
 
 
 def check_canary(doctor: Doctor) -> Check:
-    """The gray migration's weights (Phorge's option phorge-bridge.canary): which classes
+    """The canary's weights (Phorge's option phorge-bridge.canary): which classes
     are shared, and those the guard or an operator rolled back."""
     doctor.require("database")
     assert doctor.settings is not None

@@ -1,5 +1,5 @@
 """A process's runtime: settings, one queue (one connection pool), registry, lease keeper,
-run locks, its transports' outages, and the gray migration's weights as this process
+run locks, its transports' outages, and the canary's weights as this process
 sees them.
 
 ``bridge.assembly`` builds one lazily and once per process id, so prefork children never

@@ -132,7 +132,7 @@ def bridge_shares(
 def poll_once(rt: Runtime, send: Send, elsewhere: RunsElsewhere | None = None) -> int:
     """One poll; returns how many tasks were dispatched (0 when another poll is running).
 
-    Under a gray migration (``rt.canary``), a class is leased only for the bridge's share
+    Under a canary (``rt.canary``), a class is leased only for the bridge's share
     of it (:func:`bridge_shares`); without one, the statements are exactly as before."""
     settings = rt.settings
     with rt.queue.poll_lock(settings.owner_prefix) as now:

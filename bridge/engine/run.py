@@ -5,7 +5,7 @@ executeTask`` (apply the maximum retry count, make sure the lease covers the run
 :func:`prepare`, giving a :class:`ClearedTask`), then the cleared ones run, a handler
 call at a time (:func:`run_cleared`), and each run is handed on as it ends: with an
 outcome to write under the lease (:class:`PendingOutcome`), or with nothing left to
-write (:class:`RunReport`). Which side of a gray migration runs it is
+write (:class:`RunReport`). Which side of a canary runs it is
 ``bridge.engine.sides``'; checking and writing are the batch's part
 (``bridge.engine.batch``); sending and receiving messages is Celery's
 (``bridge.runtime``), so this module knows nothing of either.

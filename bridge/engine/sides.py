@@ -1,4 +1,4 @@
-r"""Which side of a gray migration runs a task, and what its run's outcome becomes there.
+r"""Which side of a canary runs a task, and what its run's outcome becomes there.
 
 A shared class's rows go to the new or the old side by the canary's hash (``Canary.takes``)
 at each level; :func:`choose` picks the handler a task runs with, and who takes the row

@@ -146,7 +146,7 @@ class Handler(ABC):
     @property
     def version(self) -> str | None:
         """The version of the code that runs its classes (``distribution version``: what
-        installed the handler's package), None when no distribution did. A gray migration
+        installed the handler's package), None when no distribution did. A canary
         judges a new side afresh from the moment its version changes."""
         return distribution_version(type(self).__module__)
 

@@ -124,7 +124,7 @@ class Registry:
 
     def versions(self) -> dict[str, str]:
         """The version of what serves each class here (:attr:`Handler.version`), keyed as
-        :func:`version_key` says: what a worker announces, so that a gray migration judges
+        :func:`version_key` says: what a worker announces, so that a canary judges
         a new side afresh once what runs it changed."""
         served = [(version_key(NATIVE, c), h) for c, h in self.native.items()]
         served += [(t, h) for t, h in ((RUNNER, self.runner), (CONDUIT, self.fallback)) if h]
@@ -148,7 +148,7 @@ class Registry:
     def php_handler_for(self, task_class: str) -> Handler | None:
         """What would serve a class without its native handler: the PHP runner when the
         class matches its globs, else the Conduit proxy, else None (no PHP path here). A
-        gray migration's python level runs the old side's share with it."""
+        canary's python level runs the old side's share with it."""
         try:
             return self._php[task_class]
         except KeyError:

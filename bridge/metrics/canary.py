@@ -1,4 +1,4 @@
-"""The gray migration's figures per class and level, read at each scrape: the weights in
+"""The canary's figures per class and level, read at each scrape: the weights in
 force and the rollbacks (Phorge's config table), and both sides' runs over the guard's
 window (Phorge's archive, so the phd side is counted too, not only the bridge's runs).
 

@@ -1,8 +1,8 @@
 """The Phorge queue's depth, age and pace per Celery queue, read at each scrape.
 
 What an autoscaler needs (docs/scaling.md, "Autoscaling"): the served tasks due
-and dispatched per queue, the oldest of each, and each queue's pace. Under a gray
-migration these count only the share the bridge takes; phd's share is served per class
+and dispatched per queue, the oldest of each, and each queue's pace. Under a
+canary these count only the share the bridge takes; phd's share is served per class
 apart, so that a share nobody takes is seen too.
 """
 
@@ -159,7 +159,7 @@ class QueueCollector:
         ``PhorgeBridgeQueueDaemon`` takes (the alert PhorgeBridgePhdShareStalled)."""
         due = GaugeMetricFamily(
             "phorge_bridge_phd_share_due_tasks",
-            "Tasks due that the gray migration's weights give phd (not the bridge's backlog)",
+            "Tasks due that the canary's weights give phd (not the bridge's backlog)",
             labels=["task_class"],
         )
         oldest = GaugeMetricFamily(

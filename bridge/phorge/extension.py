@@ -3,7 +3,7 @@
 Phorge includes every ``.php`` file of ``src/extensions/`` at startup (and adds their
 classes to its class map, so ``bin/phd`` and ``bin/config`` find them), so installing is
 a copy of the extension's files: the Conduit methods and the task run they share with the
-PHP runner; the gray migration's taskmaster daemon (``PhorgeBridgeQueueDaemon``),
+PHP runner; the canary's taskmaster daemon (``PhorgeBridgeQueueDaemon``),
 its config options and the canary weights they share (``bridge/canary/php/``). "Current"
 means the installed bytes equal the ones shipped in this package; one digest stands for
 them all (``worker.version`` computes the same in PHP).

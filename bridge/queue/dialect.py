@@ -90,11 +90,11 @@ def _mysql_owner_label(element: owner_label, compiler: SQLCompiler, **kw: Any) -
     return f"(CASE WHEN {fields} >= 5 THEN {field} END)"
 
 
-BUCKETS = 10_000  # a gray migration's buckets: its weights' scale (basis points)
+BUCKETS = 10_000  # a canary's buckets: its weights' scale (basis points)
 
 
 class celery_bucket(FunctionElement[int]):
-    """A task id's bucket at the gray migration's ``celery`` level, 0 to 9999:
+    """A task id's bucket at the canary's ``celery`` level, 0 to 9999:
     ``CRC32(CONCAT('celery:', id)) % 10000``, as PHP's ``crc32()`` and Python's
     ``zlib.crc32`` (``bridge.canary.weights.bucket``) compute it. SQLite gets ``crc32``
     as a Python function, registered on connect.

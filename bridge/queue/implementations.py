@@ -1,7 +1,7 @@
 """Who runs a task, one name each wherever it is written: the four implementations, as
 an archive row's lease owner labels them (``bridge:native:...``), the metrics'
 ``implementation`` label, the log line and a worker's announcement; and the two levels
-at which a gray migration chooses between them, as the operator's weights name them
+at which a canary chooses between them, as the operator's weights name them
 (``{"celery": 5}``), the hash of a task's side (``crc32("celery:ID")``) and the
 metrics' ``level`` label.
 """

@@ -48,7 +48,7 @@ class Outcome(StrEnum):
     # its Conduit breaker is open): the lease was handed back at once, nothing counted.
     HANDED_BACK = "handed-back"
     UNREPORTED = "unreported"  # the database stayed unreachable: the lease will expire
-    # A gray migration's new side failed (temporarily or for good): the row went back to
+    # A canary's new side failed (temporarily or for good): the row went back to
     # the old side (owner NULL, failureTime now), its failure count unchanged.
     FALLBACK = "fallback"
 

@@ -279,7 +279,7 @@ class PhorgeQueue:
         ``inline_max`` bytes (the worker decodes it, or reads a larger one, when it checks
         the lease). ``now``: the database's clock, when the poll has just read it.
         ``priority_below``: only rows with a smaller priority number (the urgent lane).
-        ``shares``: classes shared with phd in a gray migration, with the bridge's weight
+        ``shares``: classes shared with phd in a canary, with the bridge's weight
         (basis points): only the bridge's share of their rows (``sql.LeaseFilter``)."""
         owner = self.new_owner(owner_prefix, now)
         where = sql.LeaseFilter(classes, priority_below=priority_below, shares=shares or {})

@@ -7,7 +7,7 @@ key names, utf8mb4 with the binary collation. The bridge never alters them;
 ``create_all`` is only for tests and the embedded SQLite default.
 
 Two tables live outside the worker database. ``config_entry`` (``{namespace}_config``)
-holds the gray migration's weights and state (``bridge.canary``): it is in ``metadata``
+holds the canary's weights and state (``bridge.canary``): it is in ``metadata``
 so that SQLite and the tests' databases get it beside the queue, and
 :func:`config_entry_in` addresses Phorge's own copy. ``daemon_log`` (``{namespace}_daemon``)
 is read by doctor and written by ``bridge.runtime.daemon_console``; it is never created.

@@ -355,7 +355,7 @@ def handed_back(lease: Lease) -> Write:
 
 
 def fell_back(lease: Lease) -> Write:
-    """A gray migration's fallback: the new side failed this run, so the row goes to the
+    """A canary's fallback: the new side failed this run, so the row goes to the
     old side, due at once (owner and expiry NULL, ``failureTime`` now), its failure count
     unchanged (``statements.FALL_BACK``)."""
     return Write.guarded(sql.FALL_BACK, _fence(lease), sql.FELL_BACK_FROM)

@@ -77,7 +77,7 @@ beat_schedule = {
     },
 }
 if _settings.canary:
-    # The gray migration's guard (bridge.canary.guard): one read of the weights while no
+    # The canary's guard (bridge.canary.guard): one read of the weights while no
     # class is shared. Sent, like the polls, only by the beat holding the beat lock. The
     # polls' TTL: RabbitMQ drops an expired message only at the head of the queue, so a
     # longer-lived guard ahead of them would keep every poll behind it waiting.

@@ -17,7 +17,7 @@ cut off from the database past the session's ``wait_timeout``. A message handed 
 before it started finds its lease gone when it does, and runs nothing; the copies Redis
 restores an hour later find their leases ended.
 
-A dead new-side run of a class a gray migration shares falls back instead, as a
+A dead new-side run of a class a canary shares falls back instead, as a
 redelivered copy's does (``bridge.engine.redelivery.new_side_runs``: the class its
 message names, by the registry and weights of this process's runtime).
 """
@@ -167,7 +167,7 @@ class Rescuer:
         """The ids of ``items`` that fall back (:func:`new_side_runs`); none when this
         process's runtime cannot be built, said each time: a dead worker's tasks must run
         again whatever else is wrong, and a plain hand-back is what they got before
-        gray migrations."""
+        the canary."""
         try:
             return new_side_runs(self.runtime(), items)
         except Exception as exc:

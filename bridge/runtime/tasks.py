@@ -66,7 +66,7 @@ NOT_DONE: dict[Outcome, type[TaskNotDone]] = {
     Outcome.NOT_SERVED: TaskNotServed,
     Outcome.UNREPORTED: OutcomeUnreported,
 }
-# A fallback is done too: the task goes on with the gray migration's old side.
+# A fallback is done too: the task goes on with the canary's old side.
 BATCH_DONE = (Outcome.SUCCESS, Outcome.YIELD, Outcome.HANDED_BACK, Outcome.FALLBACK)
 # Celery cuts a result's text at 1 KB in its log line and events; a batch's names each
 # of its tasks and the messages it sent some on in.
@@ -96,7 +96,7 @@ def execute_task(
     """Run Phorge task ``task_id`` under its dispatch lease (``data``: its JSON, when small).
 
     Returns ``'Class#id [native]: success'`` (the implementation that ran it in
-    brackets), for a yield what :func:`yielded` says, for a gray migration's fallback
+    brackets), for a yield what :func:`yielded` says, for a canary's fallback
     its line (the old side takes the task: ``'Class#id [native]: fallback: reason; runner
     takes it'``); any other outcome raises (:func:`not_done`), so Celery's state is
     RETRY or FAILURE with the reason.

@@ -64,7 +64,7 @@ CONFIG = "phabricator_config.config_entry"  # beside phabricator_worker, as in P
 
 
 def set_canary(conn: MySQLdb.Connection, ddl: Path, weights: dict[str, object] | None) -> None:
-    """Phorge's config table with the gray migration's weights (``phorge-bridge.canary``),
+    """Phorge's config table with the canary's weights (``phorge-bridge.canary``),
     or without them."""
     cur = conn.cursor()
     cur.execute("CREATE DATABASE IF NOT EXISTS phabricator_config")

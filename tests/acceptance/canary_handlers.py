@@ -1,4 +1,4 @@
-"""A native handler for stand-in Phorge classes, the gray migration's new side in
+"""A native handler for stand-in Phorge classes, the canary's new side in
 ``tests/acceptance/test_canary.py``; the PHP runner (``tests/php_standin``) is the old side.
 
 Published the way ``recording_handlers.py`` is (an entry point of a throwaway

@@ -1,4 +1,4 @@
-"""The gray migration's python level end to end (issue 28): real workers and beats on
+"""The canary's python level end to end (issue 28): real workers and beats on
 RabbitMQ and MariaDB, a native handler (``canary_handlers.py``) as the new side and the
 PHP runner on the stand-in Phorge as the old side, the weights in the test database's
 ``config_entry`` (where ``bin/config set --database`` would put them).

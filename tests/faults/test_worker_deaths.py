@@ -7,8 +7,8 @@ broker); and a PHP runner process ``kill -9``ed under a live worker of either po
 RabbitMQ redelivers the dead one's messages (``acks_late``, ``reject_on_worker_lost``)
 and their copies hand back every lease no live run holds (``bridge.engine.redelivery``);
 on Redis, beat's rescue hands back the leases of messages a dead worker had fetched
-(``bridge.runtime.rescue``). Either way the tasks run again in new leases; under a gray
-migration, the dead new-side runs of a shared class fall back instead. Each scenario
+(``bridge.runtime.rescue``). Either way the tasks run again in new leases; under a
+canary, the dead new-side runs of a shared class fall back instead. Each scenario
 prints the re-run delay of the tasks the dead worker was running and the survivor's
 rate against its rate before the death; the delay is asserted with a wide margin (60 s
 for a 30 s target), the rate only printed (this machine is loaded). A PHP runner process

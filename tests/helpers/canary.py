@@ -1,4 +1,4 @@
-"""The gray migration's weights and state as the tests set and read them: the two rows of
+"""The canary's weights and state as the tests set and read them: the two rows of
 ``config_entry`` in the queue's own database (SQLite, and the tests' ``bridge_t_<hex>``
 MariaDB databases, where ``BRIDGE_CANARY_DATABASE`` is not needed), written with the
 bridge's own store, which task ids each side takes, and which of them

@@ -1,6 +1,6 @@
 """The shipped ``PhorgeBridgeQueueDaemon`` and the canary options on a real Phorge, as the
 PHORGE_ROOT tests that run it share them (``tests/phorge/test_queue_daemon.py`` and
-``tests/helpers/gray_phorge.py``'s gray migration).
+``tests/helpers/canary_phorge.py``'s canary).
 
 The two options (``phorge-bridge.canary`` and ``phorge-bridge.canary-state``) belong to
 the whole install: a test changes them only while it holds the MariaDB lock

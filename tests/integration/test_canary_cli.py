@@ -282,7 +282,7 @@ def test_doctor_fails_while_the_account_may_not_read_the_weights(
     cli, mysql_engine, mysql_server, monkeypatch
 ):
     """The bridge then runs no class that may be shared: doctor names the grant to add,
-    or BRIDGE_CANARY=false for an install without a gray migration."""
+    or BRIDGE_CANARY=false for an install without a canary."""
     name, database = f"nocfg_{secrets.token_hex(4)}", mysql_engine.url.database
     with mysql_server.begin() as conn:
         conn.exec_driver_sql(f"CREATE USER '{name}'@'127.0.0.1' IDENTIFIED BY 'rw'")

@@ -1,4 +1,4 @@
-"""The gray migration's queue side on MariaDB (issue 28): the server's CRC32 agrees with
+"""The canary's queue side on MariaDB (issue 28): the server's CRC32 agrees with
 Python's bucket, the poll's lease takes exactly the bridge's share through Phorge's
 indexes, a fallback is one fenced write, and archive rows name who ran them."""
 

@@ -1,7 +1,7 @@
 """Each worker and beat in Phorge's Daemons console (``bridge.runtime.daemon_console``),
 on MariaDB with Phorge's own ``daemon_log`` DDL: listed, beating, exited, and an
 account that may not write there said once, never stopping the process. What Phorge's
-own PHP makes of the rows is in ``tests/phorge/test_gray_migration_phorge.py``."""
+own PHP makes of the rows is in ``tests/phorge/test_canary_phorge.py``."""
 
 from __future__ import annotations
 

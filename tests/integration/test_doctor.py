@@ -375,7 +375,7 @@ def test_a_share_for_phd_needs_a_live_queue_daemon_under_its_unit(phorge, doctor
         {"*": {"celery": 0}, "PhabricatorSearchWorker": {"celery": 100}, mail: {"celery": 25}}
     )
     share = f"{mail} 75%, every class not named"
-    unit = "systemctl enable --now phorge-bridge-queue-daemon@1 (docs/gray-migration.md)"
+    unit = "systemctl enable --now phorge-bridge-queue-daemon@1 (docs/canary.md)"
     _, checks = doctor(CANARY_DATABASE=phorge.url.database)
     assert (checks["old side"]["status"], checks["old side"]["detail"]) == (
         "fail",

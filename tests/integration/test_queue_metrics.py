@@ -1,6 +1,6 @@
 """The queue's gauges per served Celery queue, read at scrape time, on SQLite and MariaDB:
 due rows apart from dispatched ones, each with its oldest's age, unserved classes left out,
-and under a gray migration only the bridge's share (phd's apart, per class).
+and under a canary only the bridge's share (phd's apart, per class).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_a_queue_shows_its_pace_and_the_rows_other_workers_serve(queue):
     assert value("phorge_bridge_queue_due_tasks", "phorge") == 1, f"#{unserved} not counted"
 
 
-def test_under_a_gray_migration_the_queue_counts_only_the_bridges_share(queue):
+def test_under_a_canary_the_queue_counts_only_the_bridges_share(queue):
     """Search shared at 50%, mail wholly phd's ("*" at 0): the queue's gauges count the
     rows the bridge's poll would lease, the same hash; phd's share is served per class."""
     searches = queue.enqueue_many([NewTask(SEARCH)] * 40)

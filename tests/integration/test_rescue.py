@@ -1,6 +1,6 @@
 """Beat's rescue on Redis, against real Redis and MariaDB: a lease in a message a dead
 consumer fetched is handed back once its run lock stayed free, one a live run holds is
-not; under a gray migration, a dead new-side run falls back (``bridge.runtime.rescue``)."""
+not; under a canary, a dead new-side run falls back (``bridge.runtime.rescue``)."""
 
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def test_without_a_runtime_to_tell_fallbacks_a_dead_consumer_s_leases_are_still_
     broker: str, queue: PhorgeQueue, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Beat's runtime cannot be built (a handler that does not import, say): its rescue
-    still hands the dead consumer's leases back, as before gray migrations, and says why
+    still hands the dead consumer's leases back, as before the canary, and says why
     none fell back."""
     queue.enqueue_many([NewTask(CLASS, {}) for _ in range(2)])
     owner, items = queue.lease_to_send(2, "bridge", 300, [CLASS], 1024)

@@ -3,7 +3,7 @@
 The reference is ``SHOW CREATE TABLE`` read off Phorge (tests/reference/), loaded
 into a second database and compared through information_schema, table by table: the
 worker database's four tables, and ``config_entry`` from Phorge's config database
-(``{namespace}_config``), where the gray migration keeps its weights.
+(``{namespace}_config``), where the canary keeps its weights.
 """
 
 from __future__ import annotations

@@ -519,7 +519,7 @@ OLD_SIDE, NOTHING, PHORGES = (
 
 @pytest.fixture
 def ignoring_phorges_daemon_check(lab: Lab) -> Iterator[None]:
-    """``daemons.not-running`` ignored, as docs/gray-migration.md says once the bridge runs
+    """``daemons.not-running`` ignored, as docs/canary.md says once the bridge runs
     the queue; the install's own value put back afterwards."""
     (saved,) = lab.sql(
         f"SELECT COUNT(*), MAX(value), MAX(isDeleted) FROM `{lab.config_db}`.config_entry"
@@ -600,7 +600,7 @@ TASKMASTERS = "phd.taskmasters"
 
 @pytest.fixture
 def phd_without_taskmasters(lab: Lab) -> Iterator[None]:
-    """``phd.taskmasters`` 0, as docs/gray-migration.md sets it for a gray migration (its
+    """``phd.taskmasters`` 0, as docs/canary.md sets it for a canary (its
     local config, the only source of a locked option); phd's daemons stopped and the
     option deleted afterwards."""
     done = lab.phorge.bin("config", "set", TASKMASTERS, "0")

@@ -1,6 +1,6 @@
 -- SHOW CREATE TABLE of Phorge's config table, read off a real Phorge install
 -- (Phorge 07c1a51310, MariaDB 10.11, database phabricator_config) after `bin/storage upgrade`.
--- Not a worker-queue table: the gray migration keeps its weights and state here
+-- Not a worker-queue table: the canary keeps its weights and state here
 -- (bridge/canary), and the bridge creates it only in SQLite and the tests' databases.
 
 -- config_entry

@@ -1,4 +1,4 @@
-"""The engine's side of the gray migration (issue 28), on SQLite: the poll leases only the
+"""The engine's side of the canary (issue 28), on SQLite: the poll leases only the
 bridge's share of a class, a worker runs a native class natively only for the new side's
 share (else on PHP) and hands back a row that became phd's, a new side's failure falls
 back instead of counting, and every archive row names who ran it."""

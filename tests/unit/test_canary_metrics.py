@@ -1,4 +1,4 @@
-"""The gray migration's gauges, read at each scrape from Phorge's config table and
+"""The canary's gauges, read at each scrape from Phorge's config table and
 archive, on SQLite and MariaDB: the weights in force and the rollbacks of every named
 class, and both sides' runs, success ratio, run time and fallbacks over the guard's
 window for the shared and the rolled-back ones, phd's runs included. Without a canary

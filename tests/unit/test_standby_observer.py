@@ -1,5 +1,5 @@
 """The worker hears its task processes' hand-backs for a transport that is down
-(``bridge.runtime.standby.Standby``), a gray migration's fallback for one included: a
+(``bridge.runtime.standby.Standby``), a canary's fallback for one included: a
 new-side run of a shared class whose runner cannot boot falls back instead of being
 handed back, and its worker must still stand by. A run that succeeded, or a class no
 transport of this worker serves, tells nothing."""

@@ -1,7 +1,7 @@
 <?php
 
 /**
- * phorge-bridge: the gray migration's weights, as PHP reads them.
+ * phorge-bridge: the canary's weights, as PHP reads them.
  *
  * Two config options, kept in Phorge's config table (config_entry) and defined
  * by PhorgeBridgeCanaryConfigOptions.php:

@@ -1,7 +1,7 @@
 <?php
 
 /**
- * phorge-bridge: the gray migration's config options, so that Phorge's
+ * phorge-bridge: the canary's config options, so that Phorge's
  * own tools know them ("./bin/config set --database phorge-bridge.canary
  * '{...}'", "./bin/config get", the Config application) and its setup checks
  * do not report them as unknown. How the values are read and what they mean:
@@ -16,7 +16,7 @@ final class PhorgeBridgeCanaryConfigOptions
   extends PhabricatorApplicationConfigOptions {
 
   public function getName() {
-    return pht('phorge-bridge Gray Migration');
+    return pht('phorge-bridge Canary');
   }
 
   public function getDescription() {
@@ -80,7 +80,7 @@ final class PhorgeBridgeCanaryConfigOptions
             "failed stays with the old side.\n\n".
             "Set it with `bin/config set --database`: running daemons and ".
             "the bridge read it from the database within seconds. See ".
-            "phorge-bridge's docs/gray-migration.md."))
+            "phorge-bridge's docs/canary.md."))
         ->addExample(
           id(new PhutilJSON())->encodeFormatted($example),
           pht('Mail to 5%% of the bridge, search wholly, the rest on phd')),

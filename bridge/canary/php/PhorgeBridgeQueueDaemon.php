@@ -1,7 +1,7 @@
 <?php
 
 /**
- * phorge-bridge: a taskmaster daemon that honours the gray migration's
+ * phorge-bridge: a taskmaster daemon that honours the canary's
  * weights. Run it in place of Phorge's own taskmasters, under the systemd
  * unit phorge-bridge ships (deploy/systemd/phorge-bridge-queue-daemon@.service):
  *
@@ -557,7 +557,7 @@ final class PhorgeBridgeQueueSetupCheck extends PhabricatorSetupCheck {
         ->setName(pht('PhorgeBridgeQueueDaemon Is Not Running'))
         ->setSummary(
           pht(
-            'The gray migration gives phd a share of the queue, and no '.
+            'The canary gives phd a share of the queue, and no '.
             'PhorgeBridgeQueueDaemon runs it.'))
         ->setMessage(
           pht(

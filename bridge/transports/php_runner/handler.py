@@ -59,7 +59,7 @@ class Kills:
     """The tasks whose PHP process this worker process saw killed from outside, and when:
     the first kill of a task is handed back, a repeat within :data:`KILL_MEMORY` is a
     failure. Per process and in memory: no Phorge column can hold it (a ``failureTime``
-    with no failure counted is a gray migration's fallback), so a fleet of N processes
+    with no failure counted is a canary's fallback), so a fleet of N processes
     gives a task at most N free runs an hour, never an endless loop."""
 
     def __init__(self) -> None:

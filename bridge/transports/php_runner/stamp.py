@@ -1,6 +1,6 @@
 """The deployed PHP code's stamp: what version of Phorge's PHP the runner runs.
 
-A gray migration judges the new side afresh when what runs it changes (a deploy of new
+A canary judges the new side afresh when what runs it changes (a deploy of new
 Phorge code under the runner). The runner's processes are replaced once the reload stamp
 (``BRIDGE_RUNNER_RELOAD_STAMP``, a file each deploy touches) is newer than they are, so
 its time is the version in force; without one, the Phorge checkout's git commit, read

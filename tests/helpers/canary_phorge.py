@@ -1,4 +1,4 @@
-"""The gray migration on a real Phorge (``tests/phorge/test_gray_migration_phorge.py``):
+"""The canary on a real Phorge (``tests/phorge/test_canary_phorge.py``):
 the install at PHORGE_ROOT, its Maniphest work, the shipped ``PhorgeBridgeQueueDaemon``
 under ``bin/phd debug`` and a bridge deployment (``bridge_harness.Bridge``: real
 ``celery worker`` and ``celery beat``) on the install's own worker database.
@@ -56,7 +56,7 @@ WAIT = 45.0
 HELPER = (
     HELPER_START
     + r"""
-function gray_user(PhabricatorUser $viewer, $name, $admin = false) {
+function lab_user(PhabricatorUser $viewer, $name, $admin = false) {
   $made = phorge_bridge_account($viewer, $name, $admin);
   return id(new PhabricatorPeopleQuery())->setViewer($viewer)
     ->withPHIDs(array($made->getPHID()))->needUserSettings(true)->executeOne();
@@ -75,21 +75,21 @@ switch ($command) {
     break;
   case 'users':
     // The editor, a subscriber (so the edit sends mail) and the bridge's bot.
-    gray_user($viewer, 'bridgegraytest');
-    gray_user($viewer, 'bridgegraycc');
-    $admin = gray_user($viewer, 'bridgetestadmin', true);
+    lab_user($viewer, 'bridgegraytest');
+    lab_user($viewer, 'bridgegraycc');
+    $admin = lab_user($viewer, 'bridgetestadmin', true);
     $out = array('token' => phorge_bridge_api_token($viewer, $admin));
     break;
   case 'edit':
     // Maniphest tasks, made as a web or API edit makes them (the edit engine).
-    $user = gray_user($viewer, 'bridgegraytest');
-    $cc = gray_user($viewer, 'bridgegraycc');
+    $user = lab_user($viewer, 'bridgegraytest');
+    $cc = lab_user($viewer, 'bridgegraycc');
     $out = array();
     for ($ii = 0; $ii < $args['count']; $ii++) {
       $edit = id(new ConduitCall('maniphest.edit', array(
         'transactions' => array(
           array('type' => 'title', 'value' => $args['title'].' #'.$ii),
-          array('type' => 'description', 'value' => 'Made by the gray migration test.'),
+          array('type' => 'description', 'value' => 'Made by the canary test.'),
           array('type' => 'subscribers.add', 'value' => array($cc->getPHID())),
         ),
       )))->setUser($user)->execute();
@@ -168,7 +168,7 @@ def text(value: Any) -> Any:
 
 
 @dataclass
-class GrayLab(CanaryLab):
+class RealLab(CanaryLab):
     """The install under test (its helper script, worker, config and daemon databases)
     with the worker database's URL for the bridge and the helper's ``env`` answer."""
 
@@ -302,7 +302,7 @@ class GrayLab(CanaryLab):
 
 
 @contextmanager
-def gray_lab(work: Path) -> Iterator[GrayLab]:
+def gray_lab(work: Path) -> Iterator[RealLab]:
     """The install with the extension, the accounts made, and the options held (the
     MariaDB lock) and restored afterwards, with the rows the module left cancelled."""
     root = phorge_root()
@@ -313,7 +313,7 @@ def gray_lab(work: Path) -> Iterator[GrayLab]:
     url = worker_database_url(env)
     engine = sa.create_engine(url, pool_pre_ping=True)
     namespace = str(env["db"]).removesuffix("_worker")
-    lab = GrayLab(phorge, engine, f"{namespace}_config", f"{namespace}_daemon", work, url, env, 0)
+    lab = RealLab(phorge, engine, f"{namespace}_config", f"{namespace}_daemon", work, url, env, 0)
     with options_held(lab):
         try:
             # The chain's rows other modules left queued (lab.start is 0 here) would be
@@ -332,7 +332,7 @@ def gray_lab(work: Path) -> Iterator[GrayLab]:
 # -- the bridge ------------------------------------------------------------------------------
 
 # A native handler broken on purpose: every run raises, as a handler with a bug would.
-BROKEN_HANDLER = '''"""The gray migration test's broken handler (tests/helpers/gray_phorge.py)."""
+BROKEN_HANDLER = '''"""The canary test's broken handler (tests/helpers/canary_phorge.py)."""
 
 import time
 
@@ -348,7 +348,7 @@ class BrokenHandler(Handler):
     def run(self, task):
         run_record.append({{"event": "start", "id": task.id, "taskClass": task.task_class}})
         time.sleep({seconds})  # what it tried before it failed
-        raise RuntimeError("broken on purpose by the gray migration test")
+        raise RuntimeError("broken on purpose by the canary test")
 '''
 
 
@@ -372,7 +372,7 @@ def start_bridge(bridge: Bridge) -> CeleryProcess:
     return worker
 
 
-def diagnosis(lab: GrayLab, bridge: Bridge, d: Daemon | None, after: int) -> Callable[[], str]:
+def diagnosis(lab: RealLab, bridge: Bridge, d: Daemon | None, after: int) -> Callable[[], str]:
     """What a failed wait shows: the chain's rows, the daemon's and the bridge's logs;
     fails at once when the daemon died."""
 

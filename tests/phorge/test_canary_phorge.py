@@ -1,9 +1,9 @@
-"""The gray migration (issue 28) on a real Phorge: runs only when PHORGE_ROOT is set.
+"""The canary (issue 28) on a real Phorge: runs only when PHORGE_ROOT is set.
 
-Real Maniphest work (``maniphest.edit`` inside Phorge, see ``tests/helpers/gray_phorge.py``),
+Real Maniphest work (``maniphest.edit`` inside Phorge, see ``tests/helpers/canary_phorge.py``),
 the shipped ``PhorgeBridgeQueueDaemon`` under ``bin/phd debug`` and a bridge (``celery
 worker`` and ``celery beat``, RabbitMQ) on the install's own worker database, the
-weights set with ``bin/config set --database`` as docs/gray-migration.md
+weights set with ``bin/config set --database`` as docs/canary.md
 tells an operator to:
 
 1. phd and the bridge share the transaction publisher at 50%: each task runs once, on the
@@ -34,7 +34,7 @@ from urllib.parse import parse_qsl
 
 import pytest
 from bridge_harness import Bridge, deployments
-from gray_phorge import (
+from canary_phorge import (
     CHAIN,
     FEED,
     HOOK,
@@ -42,7 +42,7 @@ from gray_phorge import (
     MAIL,
     PUBLISH,
     SEARCH,
-    GrayLab,
+    RealLab,
     diagnosis,
     gray_lab,
     pair_up,
@@ -72,13 +72,13 @@ QUIET_GUARD = "100000"
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrayLab]:
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealLab]:
     with gray_lab(tmp_path_factory.mktemp("gray")) as held:
         yield held
 
 
 @pytest.fixture
-def fresh(lab: GrayLab) -> GrayLab:
+def fresh(lab: RealLab) -> RealLab:
     """No canary state, and none of the module's rows left queued by an earlier test."""
     lab.forget_option(STATE_OPTION)
     lab.cancel_leftovers()
@@ -103,7 +103,7 @@ def done_effects(effects: dict[str, Any]) -> bool:
     )
 
 
-def settled(lab: GrayLab, after: int, phids: list[str], publishes: int) -> Any:
+def settled(lab: RealLab, after: int, phids: list[str], publishes: int) -> Any:
     """The chain's rows above ``after`` and the edits' effects once nothing is queued and
     every edit's work is done; None before."""
     rows = lab.tasks(after)
@@ -130,7 +130,7 @@ def runs_in_log(text: str, task_class: str) -> Counter[int]:
 
 
 def test_phd_and_the_bridge_share_maniphest_publishing_at_50_percent(
-    fresh: GrayLab, make: Any, amqp_url: str
+    fresh: RealLab, make: Any, amqp_url: str
 ) -> None:
     lab = fresh
     # The publisher shared; what it queues stays with phd, as while moving class by class.
@@ -218,7 +218,7 @@ def test_phd_and_the_bridge_share_maniphest_publishing_at_50_percent(
 
 
 def test_phorges_daemons_console_judges_a_bridge_process_as_its_own_daemons(
-    fresh: GrayLab,
+    fresh: RealLab,
 ) -> None:
     """Read through Phorge's own query and list view: a listed process is a running
     daemon with its host, pid and user; Phorge calls it unknown when its heartbeat is
@@ -264,7 +264,7 @@ def bridge_hashed(ids: set[int]) -> set[int]:
 
 
 def test_a_broken_bridge_is_rolled_back_and_phd_takes_the_class(
-    fresh: GrayLab, make: Any, amqp_url: str
+    fresh: RealLab, make: Any, amqp_url: str
 ) -> None:
     lab = fresh
     # The indexer shared, the rest of the chain phd's.
@@ -420,7 +420,7 @@ def kind(value: str) -> str:
 
 
 def test_native_feed_hooks_at_50_percent_post_what_phorge_posts(
-    fresh: GrayLab, make: Any, amqp_url: str, receiver: HookReceiver, tmp_path: Path
+    fresh: RealLab, make: Any, amqp_url: str, receiver: HookReceiver, tmp_path: Path
 ) -> None:
     lab = fresh
     hooks = [f"{receiver.base}/hook/a", f"{receiver.base}/hook/b"]
