@@ -6,13 +6,13 @@ it, ``reject_on_worker_lost``), a whole worker or a threads worker (its connecti
 closes), a host (the broker's heartbeat gives up on it). The same redelivery follows a
 mere loss of the broker connection (a partition, a broker restart), where the run goes
 on. The broker cannot tell the two apart; the database can: a live run holds its
-lease's run lock (``bridge.queue.run_locks``), on a session the server ends with its
+task's run lock (``bridge.queue.run_locks``), on a session the server ends with its
 process. So a redelivered copy never runs its tasks itself (a second run under the same
 lease): for each one whose lock is free it hands the lease back, fenced as every write
 (owner, failure count, unexpired), and the next poll leases it anew; one whose lock a
 live run holds is left to that run and its lease.
 
-A lease that was a new-side run of a class a gray migration shares (a native handler's
+A lease that was a new-side run of a class a canary shares (a native handler's
 share, the bridge's share of phd's class) falls back instead: the row goes to the old
 side for good, due at once, and the guard counts the death as the new side's failure
 (a crash is evidence, and the row does not go back to the side that died on it). Beat's

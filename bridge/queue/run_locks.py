@@ -1,10 +1,15 @@
-"""Run locks: which leases a live process is running now, as the database sees it.
+"""Run locks: which tasks a live process is running now, as the database sees it.
 
 A message redelivered by the broker (its worker died, or only its broker connection
 did) carries a lease whose run may be dead or still going; the broker cannot tell the
 two apart, and a second run of a live one would repeat its side effects. So every
-process holds MySQL's named lock of each lease it runs (:func:`run_lock_key`), on a
+process holds MySQL's named lock of each task it runs (:func:`run_lock_key`), on a
 connection of its own, from before the lease's check until its outcome is written. The
+lock is the task's, not its lease's: ``bin/phd restart`` (and ``phd start`` without
+``--keep-leases``) frees every lease, the bridge's running ones included, and the row
+leased again must not run beside the run that still lives; that run's outcome then
+finds its lease gone, and the row runs again once its new lease expires, as Phorge's
+own semantics have it. The
 server frees a process's locks when its connection ends: at once when the process dies
 (a prefork child, a whole worker, OOM or ``kill -9``), and :data:`IDLE_TIMEOUT`
 seconds after its host vanished (the session's ``wait_timeout``; the holder pings every
@@ -40,11 +45,11 @@ IDLE_TIMEOUT = 10  # seconds the server keeps a silent holder's session (and its
 LOOK_CHUNK = 500  # locks looked at in one statement
 
 
-def run_lock_key(database: str | None, owner: str, task_id: int) -> str:
-    """The named lock of one lease: named locks are per server, so the database is part
+def run_lock_key(database: str | None, task_id: int) -> str:
+    """The named lock of one task: named locks are per server, so the database is part
     of it; hashed, since a name is at most 64 characters. ``statements.run_lock_key_of``
     is its SQL twin, and the two must agree."""
-    digest = hashlib.md5(f"{database or ''}:{owner}:{task_id}".encode(), usedforsecurity=False)
+    digest = hashlib.md5(f"{database or ''}:{task_id}".encode(), usedforsecurity=False)
     return sql.RUN_LOCK_PREFIX + digest.hexdigest()
 
 
@@ -66,10 +71,10 @@ class RunLocks:
         self._used = 0.0  # monotonic time of the connection's last statement
 
     def key(self, lease: Lease) -> str:
-        return run_lock_key(self.database, lease.owner, lease.task_id)
+        return run_lock_key(self.database, lease.task_id)
 
     def hold(self, leases: Sequence[Lease], wait: float = 0) -> list[bool]:
-        """Take each lease's lock; False where a live run holds it: elsewhere, or in this
+        """Take each lease's task's lock; False where a live run holds it: elsewhere, or in this
         process already (a named lock is re-entrant for its session, so another thread's
         run would look free). ``wait``: seconds to wait for the first (a dead holder's
         locks are freed all at once, a moment after its death). Raises
@@ -90,7 +95,7 @@ class RunLocks:
         return held
 
     def free(self, leases: Sequence[Lease]) -> list[bool]:
-        """Whether no live session holds each lease's lock (none is taken). Raises
+        """Whether no live session holds each lease's task's lock (none is taken). Raises
         ``DatabaseUnavailable`` after the retries."""
         if not self._mysql or not leases:
             return [False] * len(leases)

@@ -79,7 +79,7 @@ class LeaseFilter:
     """Which rows a lease may take: by class (in or out), by id (``withIDs``) and by
     priority (only those more urgent than ``priority_below``, the poller's urgent lane).
 
-    ``shares``: classes of ``classes`` the bridge shares with phd in a gray migration,
+    ``shares``: classes of ``classes`` the bridge shares with phd in a canary,
     with the bridge's weight (basis points, 0 < w < 10000): of those, only rows that never
     failed (``failureTime IS NULL``) and whose bucket is below the weight. Without any,
     the statements are exactly those of a bridge without a canary.
@@ -429,7 +429,7 @@ FALL_BACK = (
     .where(_OWNED)
     .values(leaseOwner=None, leaseExpires=None, failureTime=db_now(), dateModified=db_now())
 )
-"""A gray migration's fallback: the new side's run failed, so the row goes to the old side
+"""A canary's fallback: the new side's run failed, so the row goes to the old side
 (``failureTime`` set makes it the old side's for good) and is due at once; failureCount
 unchanged, so the new side's failure never counts towards the permanent limit. Fenced on
 the owner, not the expiry: a run that outlived its lease falls back too while its owner
@@ -514,7 +514,7 @@ def count_in_flight_by_class(
         where.append(
             or_(
                 owner_epoch(active.c.leaseOwner) > db_now() - stranded_after,
-                func.is_used_lock(run_lock_key_of(active.c.leaseOwner, active.c.id)).is_not(None),
+                func.is_used_lock(run_lock_key_of(active.c.id)).is_not(None),
             )
         )
     return (
@@ -870,13 +870,12 @@ def release_lock(name: str) -> Select[Any]:
     return select(func.release_lock(name))
 
 
-RUN_LOCK_PREFIX = "pb-run:"  # the named locks of leases being run (``run_locks``)
+RUN_LOCK_PREFIX = "pb-run:"  # the named locks of tasks being run (``run_locks``)
 
 
-def run_lock_key_of(owner: ColumnElement[Any], task_id: ColumnElement[Any]) -> ColumnElement[str]:
+def run_lock_key_of(task_id: ColumnElement[Any]) -> ColumnElement[str]:
     """``run_locks.run_lock_key`` in SQL, for rows: the two must agree."""
-    lease = func.concat(func.database(), ":", owner, ":", task_id)
-    return func.concat(RUN_LOCK_PREFIX, func.md5(lease))
+    return func.concat(RUN_LOCK_PREFIX, func.md5(func.concat(func.database(), ":", task_id)))
 
 
 def take_run_locks(keys: Sequence[str], wait: float) -> Select[Any]:

@@ -1,4 +1,4 @@
-"""Run locks on MariaDB: a live run holds its lease's lock until its process ends; a
+"""Run locks on MariaDB: a live run holds its task's lock until its process ends; a
 redelivered copy hands back only leases no live run holds; stranded leases stop counting
 against the pace (``bridge.queue.run_locks``, ``bridge.engine.redelivery``)."""
 
@@ -66,9 +66,7 @@ def test_a_held_lock_is_the_sql_twins_and_is_freed_when_its_holder_dies(
     assert rt.runs.hold([lease_of(owner, item)]) == [False], "a live run holds it"
     with mysql_engine.connect() as conn:
         key = conn.execute(
-            select(sql.run_lock_key_of(active.c.leaseOwner, active.c.id)).where(
-                active.c.id == item.id
-            )
+            select(sql.run_lock_key_of(active.c.id)).where(active.c.id == item.id)
         ).scalar_one()
         holder = conn.execute(sql.lock_holder(key)).scalar_one()
     assert key == elsewhere.key(lease_of(owner, item))
@@ -127,6 +125,25 @@ def test_a_message_does_not_run_a_lease_a_live_run_holds(rt, elsewhere):
     again.run([item])
     assert again.reports[0][1].outcome is Outcome.SUCCESS
     assert rt.runs.hold([lease_of(owner, item)]) == [True], "released after its outcome"
+
+
+def test_a_row_leased_again_after_phd_freed_it_does_not_run_beside_its_live_run(
+    rt, elsewhere, mysql_engine
+):
+    """``bin/phd restart`` frees every lease, a running one of the bridge's included: the
+    row leased again (by another poll, or phd) must not run while the first run lives."""
+    owner, [item] = leased(rt)
+    assert elsewhere.hold([lease_of(owner, item)]) == [True]  # the first run, still going
+    with mysql_engine.begin() as conn:  # what `phd restart` does to every lease
+        conn.execute(update(active).values(leaseOwner=None, leaseExpires=None))
+    again, [item_again] = rt.queue.lease_to_send(1, "bridge", 300, [CLASS], 1024)
+    assert (item_again.id, again != owner) == (item.id, True)
+    batch = Batch(rt, again, None)
+    batch.run([item_again])
+    [(_, report, _)] = batch.reports
+    assert (report.outcome, report.reason) == (Outcome.LEASE_LOST, RUNNING_ELSEWHERE)
+    elsewhere.release([lease_of(owner, item)])
+    assert rt.runs.hold([lease_of(again, item_again)]) == [True], "free once the run ended"
 
 
 def test_stranded_leases_do_not_count_as_in_flight(rt, elsewhere, mysql_engine):
