@@ -37,7 +37,7 @@ from sqlalchemy import Connection, Engine
 
 from bridge.canary import decisions, sql
 from bridge.canary.ledger import Counts, Ledger, Minutes, add_counts
-from bridge.canary.short_window import MICROSECONDS, PAGE_ROWS
+from bridge.canary.short_window import MICROSECONDS, newest_first
 from bridge.canary.significance import excess_failures_p, rate_change_p
 from bridge.canary.sql import MINUTE
 from bridge.canary.store import CanaryStore
@@ -236,24 +236,20 @@ def _read_archive(conn: Connection, readings: list[_Reading]) -> None:
     by_class: dict[str, list[_Reading]] = {}
     for reading in readings:
         by_class.setdefault(reading.task_class, []).append(reading)
-    before: tuple[int, int] | None = None
-    while reading_now := [reading for reading in readings if not reading.complete]:
-        classes = sorted({reading.task_class for reading in reading_now})
-        since = min(reading.start for reading in reading_now)
-        rows = conn.execute(sql.archived_runs(classes, since, PAGE_ROWS, before)).all()
-        for row in rows:
-            for reading in by_class[row.taskClass]:
-                if reading.complete:
-                    continue
-                if row.dateModified < reading.start:  # older than its span, as all after
-                    reading.complete = True
-                    continue
-                _count(reading.new, reading.old, reading.level, row)
-                if reading.new.full or reading.old.full:
-                    reading.start, reading.complete = row.dateModified, True
-        if len(rows) < PAGE_ROWS:
-            break
-        before = (rows[-1].dateModified, rows[-1].id)
+
+    def pending() -> list[tuple[str, int]]:
+        return [(r.task_class, r.start) for r in readings if not r.complete]
+
+    for row in newest_first(conn, pending):
+        for reading in by_class[row.taskClass]:
+            if reading.complete:
+                continue
+            if row.dateModified < reading.start:  # older than its span, as all after
+                reading.complete = True
+                continue
+            _count(reading.new, reading.old, reading.level, row)
+            if reading.new.full or reading.old.full:
+                reading.start, reading.complete = row.dateModified, True
 
 
 def short_windows(

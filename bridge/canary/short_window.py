@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -33,7 +33,7 @@ from bridge.canary import sql
 from bridge.queue.model import RESULT_SUCCESS, label_of
 
 MICROSECONDS = 1_000_000  # the archive's ``duration`` unit
-PAGE_ROWS = 1000  # archive rows read at a time, newest first (here and ``guard``'s)
+PAGE_ROWS = 1000  # archive rows read at a time, newest first (``newest_first``)
 
 Key = tuple[str | None, int]  # an archive row's label and result
 # (level, label, result, earlier failures) -> the runs one row counts on the new side
@@ -205,22 +205,35 @@ class ShortWindows:
         return found
 
 
+def newest_first(
+    conn: Connection, still_read: Callable[[], Sequence[tuple[str, int]]]
+) -> Iterator[Any]:
+    """The archive rows of the ``(task_class, since)`` still read, newest first, a page
+    at a time of those still read when the page is asked for (``still_read``, called
+    anew), until none is or the archive has no older row: one statement serves every
+    class, since the archive's only usable index, ``dateModified``, has none."""
+    before: tuple[int, int] | None = None
+    while asked := still_read():
+        classes = sorted({task_class for task_class, _ in asked})
+        since = min(since for _, since in asked)
+        rows = conn.execute(sql.archived_runs(classes, since, PAGE_ROWS, before)).all()
+        yield from rows
+        if len(rows) < PAGE_ROWS:
+            return
+        before = (rows[-1].dateModified, rows[-1].id)
+
+
 def _read(conn: Connection, reads: list[_Read], caps: tuple[int, int], weigh: Weigh) -> None:
-    """The archive rows of the reads onto them, newest first, a page at a time of the
-    classes still read, until each is complete (``guard._read_archive``'s pass)."""
+    """The archive rows of the reads onto them, newest first, until each is complete."""
     by_class: dict[str, list[_Read]] = {}
     for read in reads:
         by_class.setdefault(read.task_class, []).append(read)
-    before: tuple[int, int] | None = None
-    while reading := [read for read in reads if not read.complete]:
-        classes = sorted({read.task_class for read in reading})
-        since = min(read.since for read in reading)
-        rows = conn.execute(sql.archived_runs(classes, since, PAGE_ROWS, before)).all()
-        for row in rows:
-            label = label_of(row.leaseOwner)
-            for read in by_class[row.taskClass]:
-                if not read.complete:
-                    read.take(row, label, caps, weigh)
-        if len(rows) < PAGE_ROWS:
-            break
-        before = (rows[-1].dateModified, rows[-1].id)
+
+    def pending() -> list[tuple[str, int]]:
+        return [(read.task_class, read.since) for read in reads if not read.complete]
+
+    for row in newest_first(conn, pending):
+        label = label_of(row.leaseOwner)
+        for read in by_class[row.taskClass]:
+            if not read.complete:
+                read.take(row, label, caps, weigh)

@@ -17,6 +17,19 @@ from sqlalchemy import Engine
 from bridge.canary.store import CanaryStore
 from bridge.canary.weights import SCALE, Canary, CanaryState, bucket
 
+# Weights with every feature, read alike by PHP and Python (tests/unit/
+# test_canary_php_parity.py, on PHP alone; tests/phorge/test_queue_daemon.py, on Phorge).
+EVERY_FEATURE: dict[str, Any] = {
+    "*": {"celery": 0},
+    "A": {"celery": 100},
+    "B": {"celery": 5},
+    "C": {"python": 50},
+    "D": {"ramp": {"level": "celery", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
+    "E": {"celery": 12.345},
+    "F": {"celery": 0.125},  # 12.5 bp: half to even, as Python's round()
+    "G": {"celery": 20},
+}
+
 
 def store(engine: Engine) -> CanaryStore:
     """The store of the options in ``engine``'s own database."""

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from bridge_harness import wait_until
+from canary import EVERY_FEATURE
 from phorge_daemon import DAEMON, CanaryLab, Daemon, daemon, options_held, unit_daemon
 from phorge_env import Phorge, phorge_root, worker_database_url
 from phorge_php import HELPER as INTEROP_HELPER
@@ -257,16 +258,7 @@ CASES: list[dict[str, Any]] = [
     {"weights": None, "state": None},
     {"weights": [], "state": []},
     {
-        "weights": {
-            "*": {"celery": 0},
-            "A": {"celery": 100},
-            "B": {"celery": 5},
-            "C": {"python": 50},
-            "D": {"ramp": {"level": "celery", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
-            "E": {"celery": 12.345},
-            "F": {"celery": 0.125},  # 12.5 bp: half to even, as Python's round()
-            "G": {"celery": 20},
-        },
+        "weights": EVERY_FEATURE,
         "state": {
             "classes": {
                 "D": {"celery": {"step": 2, "step_since": 1700000000}},

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from canary_archive import TASK_IDS, archived, owner
 
-from bridge.canary import guard
+from bridge.canary import guard, short_window
 from bridge.canary import sql as canary_sql
 from bridge.canary.guard import (
     Bounds,
@@ -267,7 +267,7 @@ def test_the_window_is_cut_for_both_sides_at_once(db, monkeypatch, page):
     """Both sides over the same span: cut where the new side has ``max_runs`` runs (or
     the old side four times that), so a busy old side does not judge a shorter span."""
     engine, _ = db
-    monkeypatch.setattr(guard, "PAGE_ROWS", page)  # pages that split rows of one second
+    monkeypatch.setattr(short_window, "PAGE_ROWS", page)  # pages that split rows of one second
     archived(engine, owner("native"), count=10, duration_us=1_000_000, age=20)
     archived(engine, owner("runner"), count=7, age=15)  # older than the cut: left out
     archived(engine, owner("native"), count=10, duration_us=1_000, age=10)
@@ -315,7 +315,7 @@ def test_one_read_of_several_classes_gives_each_its_own_window(engine, monkeypat
     its own span (A's 10 s, as after a promotion), across pages, with its own active
     rows; on SQLite and MariaDB."""
     engine = make_engine(engine.url.render_as_string(hide_password=False))
-    monkeypatch.setattr(guard, "PAGE_ROWS", page)
+    monkeypatch.setattr(short_window, "PAGE_ROWS", page)
     now = int(time.time())  # the server's clock, held for the reads to compare
     monkeypatch.setattr(canary_sql, "server_time", lambda: sa.select(sa.literal(now)))
     mixed(engine, now)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from canary import EVERY_FEATURE
 
 from bridge.canary.store import CanaryView, decode_state, decode_weights, php_json, read_json
 from bridge.canary.weights import OPTION, STATE_OPTION, Canary, CanaryState, bucket, parse_weights
@@ -76,16 +77,7 @@ CASES: list[tuple[str, Any, Any]] = [
     ("empty objects", {}, {}),
     (
         "every feature",
-        {
-            "*": {"celery": 0},
-            "A": {"celery": 100},
-            "B": {"celery": 5},
-            "C": {"python": 50},
-            "D": {"ramp": {"level": "celery", "steps": [1, 5, 25, 50, 100], "dwell": 600}},
-            "E": {"celery": 12.345},
-            "F": {"celery": 0.125},  # 12.5 bp: half to even, as Python's round()
-            "G": {"celery": 20},
-        },
+        EVERY_FEATURE,
         {
             "classes": {
                 "D": {"celery": {"step": 2, "step_since": 1_700_000_000}},

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import sqlalchemy as sa
 
-from bridge.canary import guard, short_window
+from bridge.canary import short_window
 from bridge.canary import sql as canary_sql
 from bridge.canary.guard import Window, read_windows, short_windows
 from bridge.canary.ledger import SETTLE, Ledger
@@ -96,15 +96,34 @@ class Archive:
 @pytest.fixture
 def paged(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pages of 7 rows in both reads: pages that split the rows of one second."""
-    monkeypatch.setattr(guard, "PAGE_ROWS", 7)
     monkeypatch.setattr(short_window, "PAGE_ROWS", 7)
+
+
+FRESH = [False]  # while the fresh read runs: its pages are not the kept read's
+
+
+def recorded_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ``since`` of each archive page the kept read asks for, as it asks."""
+    starts: list[int] = []
+
+    def recorded(classes, since, limit, before=None):
+        if not FRESH[0]:
+            starts.append(since)
+        return canary_sql.archived_runs(classes, since, limit, before)
+
+    monkeypatch.setattr(short_window, "sql", SimpleNamespace(archived_runs=recorded))
+    return starts
 
 
 def kept_and_fresh(
     db: Archive, ledger: Ledger, asked: list[tuple[str, str, int]], max_runs: int
 ) -> list[Window]:
     kept = short_windows(db.engine, ledger, asked, max_runs)
-    assert kept == read_windows(db.engine, asked, max_runs), f"at {db.now - BASE} s"
+    FRESH[0] = True
+    try:
+        assert kept == read_windows(db.engine, asked, max_runs), f"at {db.now - BASE} s"
+    finally:
+        FRESH[0] = False
     return kept
 
 
@@ -151,31 +170,25 @@ def test_a_later_evaluation_reads_only_the_rows_after_its_mark(engine, monkeypat
     for second in range(BASE - 299, BASE + 1, 10):
         db.archive("A", second, 2)
         db.archive("B", second, 2)
-    starts: list[int] = []
-
-    def recorded(classes, since, limit, before=None):
-        starts.append(since)
-        return canary_sql.archived_runs(classes, since, limit, before)
-
-    monkeypatch.setattr(short_window, "sql", SimpleNamespace(archived_runs=recorded))
+    reads = recorded_reads(monkeypatch)
     ledger = Ledger(3600)
     kept_and_fresh(db, ledger, [("A", PYTHON, 300)], 1000)
-    assert starts == [BASE - 300]
+    assert reads == [BASE - 300]
     db.now += 2
     db.archive("A", db.now - 1, 3)
-    starts.clear()
+    reads.clear()
     (a,) = kept_and_fresh(db, ledger, [("A", PYTHON, 300)], 1000)
-    assert starts == [BASE - SETTLE + 1], "only the rows after the mark"
+    assert reads == [BASE - SETTLE + 1], "only the rows after the mark"
     assert a.new.runs + a.old.runs > 60
     db.now += 1
-    starts.clear()
+    reads.clear()
     kept_and_fresh(db, ledger, [("A", PYTHON, 300), ("B", PYTHON, 300)], 1000)
-    assert starts == [db.now - 300], "B's whole span, A's rows after its mark in it"
+    assert reads == [db.now - 300], "B's whole span, A's rows after its mark in it"
     db.now += 1
-    starts.clear()
+    reads.clear()
     kept_and_fresh(db, ledger, [("B", PYTHON, 300)], 1000)
     kept_and_fresh(db, ledger, [("A", PYTHON, 300)], 1000)
-    assert starts == [db.now - SETTLE, db.now - 300], "A was forgotten"
+    assert reads == [db.now - SETTLE, db.now - 300], "A was forgotten"
 
 
 @pytest.mark.usefixtures("paged")
@@ -186,13 +199,7 @@ def test_rows_after_the_mark_that_reach_the_cut_are_the_whole_window(engine, mon
     db = Archive(make_engine(engine.url.render_as_string(hide_password=False)), monkeypatch, 3)
     for second in range(BASE - 200, BASE + 1, 5):
         db.archive("A", second, 4)
-    pages = []
-
-    def recorded(classes, since, limit, before=None):
-        pages.append(before)
-        return canary_sql.archived_runs(classes, since, limit, before)
-
-    monkeypatch.setattr(short_window, "sql", SimpleNamespace(archived_runs=recorded))
+    pages = recorded_reads(monkeypatch)
     ledger = Ledger(3600)
     (first,) = kept_and_fresh(db, ledger, [("A", CELERY, 300)], 20)
     assert first.new.runs >= 20 and first.seconds < 300
