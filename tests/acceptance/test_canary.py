@@ -471,7 +471,11 @@ def test_a_native_handler_that_forgets_a_followup_is_rolled_back(
     rows = assert_all_succeeded(bridge, fed)
     natively = [i for i, label in labels(rows).items() if label == "native"]
     print(f"\n[canary] forgotten follow-ups: rolled back after {len(natively)} native runs")
-    assert 10 <= len(natively) < len(fed) // 4
+    # Judged once 10 labelled successes a side differ at p < 1e-6 (about 16 native runs),
+    # then on 3 evaluations in a row, a second apart, while 10 native runs a second come:
+    # about 50, and more on a loaded machine; a guard that never tripped would let all
+    # FEED_CAP tasks run, 400 of them natively.
+    assert 10 <= len(natively) <= 150
 
 
 def test_a_native_weight_the_worker_cannot_honour_stops_it_at_start(
