@@ -527,7 +527,9 @@ def test_a_worker_that_cannot_read_the_weights_runs_no_new_side_task(
     blind = bridge.worker(
         "blind", [bridge.default_queue], env={"BRIDGE_DATABASE_URL": worker_tables_account}
     )
-    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
+    # Two processes: each task the blind worker hands back is leased and sent again at
+    # once, and a lone process busy with those polls would never be free to take one.
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue], concurrency=2)
     bridge.beat()
     bridge.wait_ready(blind)
     bridge.wait_ready(worker)
