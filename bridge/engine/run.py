@@ -14,20 +14,14 @@ write (:class:`RunReport`). Which side of a canary runs it is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 
 from bridge.canary.weights import Canary
 from bridge.engine.context import Runtime
 from bridge.engine.observers import observers
 from bridge.engine.reports import CheckedTask, ClearedTask, Ended, PendingOutcome, RunReport
-from bridge.engine.sides import (
-    PHD_SHARE,
-    choose,
-    fallback,
-    implementation_label,
-    yield_loop_age,
-)
+from bridge.engine.sides import PHD_SHARE, fallback, side_of
 from bridge.engine.tracing import traced
 from bridge.handlers.api import TaskContext
 from bridge.handlers.capabilities import (
@@ -44,10 +38,12 @@ LEASE_EXPIRED = "the lease expired while the handler ran"
 
 def run_group(
     rt: Runtime, group: Sequence[CheckedTask], traceparent: str | None, canary: Canary
-) -> Iterator[tuple[CheckedTask, Ended]]:
+) -> list[tuple[CheckedTask, Ended]]:
     """Prepare a group's checked tasks, then run the cleared ones, a handler call at a
-    time; each task is handed on as it ends (a generator, so that the batch stages each
-    outcome then): one that ends before its run at once, the others after their call."""
+    time; each task with how it ended: those that ended before their run first, then the
+    others in the order of their calls. The batch stages them all once the group is
+    done, as it writes them only then (with the next group's check)."""
+    ended: list[tuple[CheckedTask, Ended]] = []
     cleared: list[tuple[CheckedTask, ClearedTask]] = []
     for checked in group:
         with traced(checked.trace):
@@ -55,11 +51,12 @@ def run_group(
         if isinstance(prepared, ClearedTask):
             cleared.append((checked, prepared))
         else:
-            yield checked, prepared
+            ended.append((checked, prepared))
     for calls in handler_calls(cleared):
         with traced(calls[0][0].trace):
             runs = run_cleared(rt, [run for _, run in calls])
-        yield from zip([checked for checked, _ in calls], runs, strict=True)
+        ended += zip([checked for checked, _ in calls], runs, strict=True)
+    return ended
 
 
 def handler_calls(
@@ -109,7 +106,7 @@ def prepare(
         observer.run_started(lease)
     if task is None:
         return RunReport(Outcome.LEASE_LOST, "the lease was no longer held before the run")
-    choice = choose(rt.registry, canary, task.task_class, task.id, task.failure_time)
+    choice = side_of(rt.registry, canary, task, rt.settings.canary_max_yielding)
     remaining = (task.lease_expires or 0) - (task.server_time or 0)
     if choice.back_to_phd:
         # Rolled back, or its weight lowered, since the poll: phd's daemon takes it.
@@ -120,7 +117,7 @@ def prepare(
         # Configuration changed since the poll: give the row back to whoever can run it.
         rt.queue.free_own([task.id], lease.owner)
         return RunReport(Outcome.NOT_SERVED, "no handler serves this class here; lease handed back")
-    implementation = implementation_label(handler, task)
+    implementation = choice.implementation
     availability = availability_of(handler)
     if availability is not None and not availability.allow():
         # Its transport is down in this worker (PHP cannot boot, Conduit is unreachable):
@@ -149,9 +146,6 @@ def prepare(
             )
         remaining = required
     budget = required or rt.settings.default_lease
-    looping = None
-    if choice.fallback_to is not None:
-        looping = yield_loop_age(canary, task, rt.settings.canary_max_yielding)
     return ClearedTask(
         lease,
         task.label,
@@ -161,7 +155,7 @@ def prepare(
         budget,
         implementation,
         choice.fallback_to,
-        looping,
+        choice.yield_loop_age,
     )
 
 

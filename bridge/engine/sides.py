@@ -52,11 +52,15 @@ class Choice:
     run of the new side of a class shared at some level (``phd`` at the celery level, the
     PHP transport at the python level), which takes the task when the run fails.
     ``back_to_phd``: the row is no longer the bridge's (its class was rolled back, or its
-    weight lowered): it goes back, for phd."""
+    weight lowered): it goes back, for phd. For a checked task (:func:`side_of`), who
+    runs it as its archive row will say (``implementation``) and, for a new-side run,
+    the task's age when a yield of it would be a yield loop (``yield_loop_age``)."""
 
     handler: Handler | None
     fallback_to: str | None = None
     back_to_phd: bool = False
+    implementation: str = ""
+    yield_loop_age: int | None = None
 
 
 _UNHONOURED: set[str] = set()  # classes whose python weight this worker cannot honour
@@ -93,6 +97,20 @@ def choose(
         else:
             handler = php
     return Choice(handler, fallback_to)
+
+
+def side_of(registry: Registry, canary: Canary, task: Task, max_yielding: int) -> Choice:
+    """:func:`choose` for a checked task, by its row, with what its run needs to know of
+    its side: who runs it (:func:`implementation_label`) and, on a new side, when its
+    yield is a loop (:func:`yield_loop_age`, past ``max_yielding`` or its class's bound)."""
+    choice = choose(registry, canary, task.task_class, task.id, task.failure_time)
+    if choice.handler is None:
+        return choice
+    looping = None
+    if choice.fallback_to is not None:
+        looping = yield_loop_age(canary, task, max_yielding)
+    implementation = implementation_label(choice.handler, task)
+    return replace(choice, implementation=implementation, yield_loop_age=looping)
 
 
 def implementation_label(handler: Handler, task: Task) -> str:
