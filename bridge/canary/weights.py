@@ -481,10 +481,12 @@ class CanaryState:
 
 @dataclass(frozen=True)
 class Canary:
-    """The weights in force: configured, then ramped, then rolled back."""
+    """The weights in force: configured, then ramped, then rolled back. ``unread``: the
+    process cannot read them, and runs these, the closed ones (:meth:`closed`)."""
 
     weights: Mapping[str, ClassWeights] = field(default_factory=dict)
     state: CanaryState = field(default_factory=CanaryState)
+    unread: bool = False
 
     def configured(self, task_class: str) -> ClassWeights:
         return self.weights.get(task_class) or self.weights.get(DEFAULT) or ClassWeights()
@@ -543,7 +545,7 @@ class Canary:
             name: ClassWeights(celery=shut(name, CELERY), python=shut(name, PYTHON))
             for name in self.weights
         }
-        return Canary(weights, self.state)
+        return Canary(weights, self.state, unread=True)
 
     @property
     def named(self) -> list[str]:
@@ -554,7 +556,7 @@ class Canary:
 
 NO_CANARY = Canary()
 # Before any read: no class runs on the new side of either level, since any may be shared.
-CLOSED = Canary({DEFAULT: ClassWeights(celery=0, python=0)})
+CLOSED = Canary({DEFAULT: ClassWeights(celery=0, python=0)}, unread=True)
 
 
 def canary_of(weights: Any, state: Any) -> Canary:

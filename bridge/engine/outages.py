@@ -9,6 +9,11 @@ fleet's polls and stops consuming a queue it can run nothing of until the transp
 due to probe again (``bridge.runtime.standby`` does the telling and the stopping), and
 the polls lease that queue's rows for the other workers (``poll.plan``).
 
+A worker that cannot read the canary's weights hands back each task of a class they
+share with phd (phd's share, ``sides.choose``), and would starve the others alike; it
+stands by the same way, on a queue all of whose classes it hands back so, until it is
+due to read the weights again (:meth:`Outages.report_unread`), and announces nothing.
+
 :class:`Outages` is that state, one per process (``Runtime.outages``): who is down (the
 registry's availabilities), until when this task process last told its worker, and, in
 the worker's main process, what it announces and the queues it stands by on.
@@ -23,13 +28,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from bridge.canary.weights import Canary
 from bridge.handlers.capabilities import availability_of
 from bridge.handlers.registry import Registry
+from bridge.queue.implementations import CELERY
 from bridge.routing import Router
 
 # Shortest standby: a probe that is due at once still leaves the queue to the others for
 # this long, so a message bounced between two broken workers costs little.
 MIN_STANDBY = 1.0
+UNREAD = ""  # the standby of a worker that cannot read the weights: no transport is down
 
 
 class Resume(Protocol):
@@ -40,8 +48,9 @@ class Resume(Protocol):
 
 @dataclass(frozen=True)
 class Report:
-    """What a task process tells its worker: ``transport`` is down here for ``seconds``;
-    with ``stop``, the process can run nothing of ``queue`` that long."""
+    """What a task process tells its worker: ``transport`` is down here for ``seconds``
+    (:data:`UNREAD`: none is, the weights are unread); with ``stop``, the process can run
+    nothing of ``queue`` that long."""
 
     queue: str
     seconds: float
@@ -93,12 +102,37 @@ class Outages:
             return None
         queue = self._router.queue_for(task_class)
         with self._lock:
-            if time.monotonic() < self._reported.get((transport, queue), 0.0):
+            if self._still_holds(transport, queue):
                 return None
             stop = self.standby_queues(present()).get(queue)
             seconds = stop or max(MIN_STANDBY, availability.next_probe_in())
             self._reported[transport, queue] = time.monotonic() + seconds
         return Report(queue, seconds, transport, stop is not None)
+
+    def report_unread(
+        self, task_class: str, present: Callable[[], Iterable[str]], canary: Canary, seconds: float
+    ) -> Report | None:
+        """What this task process tells its worker after handing back a task of
+        ``task_class`` as phd's share while it cannot read the weights (``canary``, the
+        closed ones it runs meanwhile, ``canary.unread``): that it can run nothing of the
+        class's queue until it reads them again, ``seconds`` from now, when it hands back
+        every class queued there (its celery weight is 0 here); else None."""
+        if not canary.unread:
+            return None
+        queue = self._router.queue_for(task_class)
+        with self._lock:
+            if self._still_holds(UNREAD, queue):
+                return None
+            queued = [c for c in present() if self._router.queue_for(c) == queue]
+            if any(canary.weight(c, CELERY) for c in queued if self._registry.handler_for(c)):
+                return None
+            seconds = max(MIN_STANDBY, seconds)
+            self._reported[UNREAD, queue] = time.monotonic() + seconds
+        return Report(queue, seconds, UNREAD, True)
+
+    def _still_holds(self, transport: str, queue: str) -> bool:
+        """Whether this process's last report of ``transport`` for ``queue`` still holds."""
+        return time.monotonic() < self._reported.get((transport, queue), 0.0)
 
     def heard(self, transport: str, seconds: float) -> None:
         """A task process of this worker found ``transport`` down, until its next probe:

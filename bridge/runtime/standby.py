@@ -25,8 +25,9 @@ from celery.worker.control import control_command
 
 from bridge.assembly import runtime
 from bridge.engine.observers import RunObserver, observe
-from bridge.engine.outages import Resume
+from bridge.engine.outages import UNREAD, Resume
 from bridge.engine.reports import RunReport
+from bridge.engine.sides import PHD_SHARE
 from bridge.queue import Outcome
 from bridge.queue.model import Leased
 from bridge.runtime.announce import remote_control
@@ -48,16 +49,17 @@ def standing_by() -> list[str]:
 def bridge_standby(
     state: Any, queue: str, seconds: float, transport: str, stop: bool, **_: Any
 ) -> dict[str, str]:
-    """``transport`` is down here for ``seconds``; with ``stop``, stop consuming ``queue``
-    that long (a later request extends it)."""
+    """``transport`` is down here for ``seconds`` (empty: none is, the weights are
+    unread); with ``stop``, stop consuming ``queue`` that long (a later request extends
+    it)."""
     outages = runtime().outages
-    outages.heard(transport, float(seconds))
+    if transport != UNREAD:
+        outages.heard(transport, float(seconds))
     if stop:
         consumer = state.consumer
         consumer.call_soon(_stand_by, consumer, outages.standing_by, queue, float(seconds))
-    return {
-        "ok": f"{transport} down for {seconds:g} s" + (f", standing by on {queue}" if stop else "")
-    }
+    why = f"{transport} down" if transport != UNREAD else "the canary's weights unread"
+    return {"ok": f"{why} for {seconds:g} s" + (f", standing by on {queue}" if stop else "")}
 
 
 def _stand_by(consumer: Any, standing: dict[str, Resume], queue: str, seconds: float) -> None:
@@ -100,13 +102,17 @@ class Standby(RunObserver):
         if not node or not self.remote_control():
             return
         rt = runtime()
-        told = rt.outages.report(item.task_class, rt.queue.task_classes)
+        if report.reason == PHD_SHARE:
+            canary, seconds = rt.canary.current(), rt.settings.canary_refresh
+            told = rt.outages.report_unread(item.task_class, rt.queue.task_classes, canary, seconds)
+        else:
+            told = rt.outages.report(item.task_class, rt.queue.task_classes)
         if told is None:
             return
         try:
             self.app.control.broadcast(COMMAND, arguments=asdict(told), destination=[node])
         except Exception as exc:  # the broker's trouble: the hand-back itself is done
-            log.warning("could not tell %s that %s is down: %s", node, told.transport, exc)
+            log.warning("could not tell %s to stand by on %s: %s", node, told.queue, exc)
 
     def remote_control(self) -> bool:
         if self._remote is None:

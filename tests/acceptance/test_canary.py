@@ -521,26 +521,37 @@ def test_a_worker_that_cannot_read_the_weights_runs_no_new_side_task(
 ):
     """Half the class is the native side's. Of two workers on its queue, one cannot read
     the weights: it never knew them, so it runs none of its tasks and hands them back
-    (no failure counted), saying why once; the other runs them all, each side its share."""
+    (no failure counted), saying why once, and stands by on the queue until it is due to
+    read them again, so as not to take the messages the other needs; the other, a lone
+    process, runs them all, each side its share."""
     bridge = deployment(make_bridge, database_url, amqp_url)
     set_weights(bridge.engine, {CLASS: {"python": 50}})
+    bridge.settings["BRIDGE_CANARY_REFRESH"] = "5"  # its standby: until it reads again
     blind = bridge.worker(
         "blind", [bridge.default_queue], env={"BRIDGE_DATABASE_URL": worker_tables_account}
     )
-    # Two processes: each task the blind worker hands back is leased and sent again at
-    # once, and a lone process busy with those polls would never be free to take one.
-    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue], concurrency=2)
+    bridge.settings["BRIDGE_CANARY_REFRESH"] = "0.25"
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
     bridge.beat()
     bridge.wait_ready(blind)
     bridge.wait_ready(worker)
 
     ids = bridge.enqueue(CLASS, {}, count=100)
+    started = time.monotonic()
     rows = assert_all_succeeded(bridge, ids)
     natively = new_side(PYTHON, 50, ids)
     assert natively and {i for i, label in labels(rows).items() if label == "native"} == natively
     log = blind.log()
     assert "[native]: success" not in log and "[runner]: success" not in log
     assert f"{CLASS}#" in log and "handed-back: canary: phd's share" in log, "it had tasks"
+    stood_by = log.count(f"queue {bridge.default_queue}: this worker can run none of its tasks")
+    handed_back = log.count("handed-back: canary: phd's share")
+    # A standby of 5 s a time: the messages it holds when it stops are all it takes then
+    # (without the standby, each task it hands back comes again at once: hundreds).
+    standbys = 1 + (time.monotonic() - started) / 5
+    print(f"\n[canary] blind: {stood_by} standbys, {handed_back} hand-backs, {standbys:.1f}")
+    assert 1 <= stood_by <= standbys
+    assert handed_back <= 10 * standbys, f"{handed_back} hand-backs in {stood_by} standbys"
     said = [line for line in log.splitlines() if "cannot read the weights" in line]
     assert len(said) == 1 and "never read: no task runs here until they are read" in said[0]
     assert "1142" in said[0]  # MariaDB's refusal, as it gave it

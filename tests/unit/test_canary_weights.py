@@ -332,8 +332,9 @@ def test_a_closed_canary_runs_no_new_side_of_a_shared_class():
     }
     assert {c: (closed.weight(c, CELERY), closed.weight(c, PYTHON)) for c in expected} == expected
     assert closed.partial() == [] and closed.state == canary.state
+    assert closed.unread and not canary.unread, "a worker stands by on what it hands back"
     # Closing a closed canary changes nothing; without a canary nothing is shared.
-    assert closed.closed() == closed and NO_CANARY.closed() == NO_CANARY
+    assert closed.closed() == closed and NO_CANARY.closed().weights == NO_CANARY.weights
 
 
 def test_before_any_read_no_class_runs_on_either_new_side():

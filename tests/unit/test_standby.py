@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from bridge.assembly import build_runtime
+from bridge.canary.weights import CLOSED, Canary, ClassWeights
 from bridge.config import load_settings
 from bridge.engine.context import Runtime
-from bridge.engine.outages import MIN_STANDBY
+from bridge.engine.outages import MIN_STANDBY, UNREAD, Report
 from bridge.engine.poll import plan
 from bridge.handlers.api import TaskContext
 from bridge.handlers.availability import Availability
@@ -126,3 +127,33 @@ def test_a_worker_announces_a_transport_down_until_its_latest_report_ends(rt: Ru
     outages.heard("runner", 0)  # a shorter report does not shorten the announcement
     outages.heard("conduit", 0)
     assert outages.announced_down() == ["runner"]
+
+
+SHARED = Canary({PHP_ONLY: ClassWeights(celery=50)})  # half the class is phd's
+
+
+def test_a_worker_that_cannot_read_the_weights_stands_by_where_it_hands_everything_back(
+    rt: Runtime,
+) -> None:
+    """Unread, the shared class's tasks are all handed back as phd's share: its queue is
+    stood by until the weights are due to be read again (at least MIN_STANDBY), told
+    once a standby; read, it is not."""
+    rt.queue.enqueue(PHP_ONLY, {})
+    present = rt.queue.task_classes
+    assert rt.outages.report_unread(PHP_ONLY, present, SHARED, 5) is None, "it read them"
+    told = rt.outages.report_unread(PHP_ONLY, present, SHARED.closed(), 0.2)
+    assert told == Report("php", MIN_STANDBY, UNREAD, True)
+    assert rt.outages.report_unread(PHP_ONLY, present, SHARED.closed(), 5) is None, "told"
+
+
+def test_a_worker_that_cannot_read_the_weights_consumes_a_queue_with_a_class_it_runs(
+    one_queue: Runtime,
+) -> None:
+    """The native class is wholly the bridge's, and shares the queue: the closed weights
+    leave it to this worker, so the queue is consumed; before any read, none is left."""
+    rt = one_queue
+    rt.queue.enqueue(PHP_ONLY, {})
+    rt.queue.enqueue(NATIVE, {})
+    present = rt.queue.task_classes
+    assert rt.outages.report_unread(PHP_ONLY, present, SHARED.closed(), 5) is None
+    assert rt.outages.report_unread(PHP_ONLY, present, CLOSED, 5) == Report("php", 5, UNREAD, True)
