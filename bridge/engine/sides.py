@@ -106,11 +106,9 @@ def side_of(registry: Registry, canary: Canary, task: Task, max_yielding: int) -
     choice = choose(registry, canary, task.task_class, task.id, task.failure_time)
     if choice.handler is None:
         return choice
-    looping = None
-    if choice.fallback_to is not None:
-        looping = yield_loop_age(canary, task, max_yielding)
-    implementation = implementation_label(choice.handler, task)
-    return replace(choice, implementation=implementation, yield_loop_age=looping)
+    handler, fallback_to = choice.handler, choice.fallback_to
+    looping = None if fallback_to is None else yield_loop_age(canary, task, max_yielding)
+    return Choice(handler, fallback_to, False, implementation_label(handler, task), looping)
 
 
 def implementation_label(handler: Handler, task: Task) -> str:
