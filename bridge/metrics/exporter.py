@@ -25,6 +25,7 @@ from bridge.transports.conduit import metrics as conduit_metrics
 from bridge.transports.php_runner import metrics as runner_metrics
 
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+HEADER = 8  # bytes a file has once sized: its used length, then padding
 
 
 def count_across_processes() -> str:
@@ -75,7 +76,20 @@ class ProcessesCollector:
     def collect(self) -> Iterator[Metric]:
         for pid in self._dead_pids():
             mark_process_dead(pid, self.directory)
-        yield from MultiProcessCollector(None, self.directory).collect()
+        yield from MultiProcessCollector.merge(self._started_files(), accumulate=True)
+
+    def _started_files(self) -> list[str]:
+        """The processes' files, but those still being made: prometheus_client creates a
+        file before it sizes it, and reading one at 0 bytes fails the whole scrape
+        (client_python#1199; a CI run here scraped its 500 while a child began counting)."""
+        started = []
+        for path in glob.glob(os.path.join(self.directory, "*.db")):
+            try:
+                if os.path.getsize(path) >= HEADER:
+                    started.append(path)
+            except FileNotFoundError:
+                pass  # a live gauge of a process gone, removed meanwhile
+        return started
 
     def _dead_pids(self) -> set[int]:
         pids = set()

@@ -94,3 +94,12 @@ def test_live_gauges_of_dead_processes_are_forgotten_at_the_scrape(tmp_path):
     [family] = ProcessesCollector(str(tmp_path)).collect()
     assert [s.value for s in family.samples] == [0]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"gauge_livemax_{os.getpid()}.db"]
+
+
+def test_a_file_a_process_is_still_making_costs_the_scrape_nothing(tmp_path):
+    """prometheus_client creates a process's file, then sizes it: a scrape between the
+    two read 0 bytes and failed whole (a 500: every worker figure lost)."""
+    write_gauge(tmp_path, os.getpid(), 0)
+    (tmp_path / f"counter_{os.getpid()}.db").touch()  # a child beginning to count
+    [family] = ProcessesCollector(str(tmp_path)).collect()
+    assert [s.value for s in family.samples] == [0]
