@@ -24,7 +24,7 @@ def private_directory(prefix: str) -> str:
     """A new temporary directory, removed when the process that made it exits (never at
     a forked child's exit: the pool's children share it); the directories of this
     ``prefix`` that killed workers left behind are removed first."""
-    remove_abandoned(prefix)
+    _remove_abandoned(prefix)
     directory = tempfile.mkdtemp(prefix=prefix)
     owner = os.open(os.path.join(directory, OWNER), os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(owner, fcntl.LOCK_EX)  # held, by this fd, until every process closes it
@@ -39,10 +39,8 @@ def private_directory(prefix: str) -> str:
     return directory
 
 
-def remove_abandoned(prefix: str) -> list[str]:
-    """Remove the directories of ``prefix`` whose worker is gone (their lock is free);
-    returns them."""
-    removed = []
+def _remove_abandoned(prefix: str) -> None:
+    """Remove the directories of ``prefix`` whose worker is gone (their lock is free)."""
     for directory in glob.glob(os.path.join(tempfile.gettempdir(), glob.escape(prefix) + "*")):
         if not os.path.exists(os.path.join(directory, OWNED)):
             continue  # being made, or made before directories had an owner
@@ -52,10 +50,8 @@ def remove_abandoned(prefix: str) -> list[str]:
             continue  # removed meanwhile
         try:
             fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(directory, ignore_errors=True)  # under the lock: one sweeper does
         except BlockingIOError:
+            pass  # its worker lives
+        finally:
             os.close(owner)
-            continue  # its worker lives
-        shutil.rmtree(directory, ignore_errors=True)  # under the lock: one sweeper removes it
-        os.close(owner)
-        removed.append(directory)
-    return removed
