@@ -531,7 +531,8 @@ def test_a_worker_that_cannot_read_the_weights_runs_no_new_side_task(
         "blind", [bridge.default_queue], env={"BRIDGE_DATABASE_URL": worker_tables_account}
     )
     bridge.settings["BRIDGE_CANARY_REFRESH"] = "0.25"
-    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue])
+    # Two processes, so that polls never keep the healthy worker from every task.
+    worker = bridge.worker("worker", [bridge.default_queue, bridge.control_queue], concurrency=2)
     bridge.beat()
     bridge.wait_ready(blind)
     bridge.wait_ready(worker)
